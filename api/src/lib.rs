@@ -1,0 +1,20 @@
+//! rlplane's API: the `RLJob` custom resource, its validation, the model manifests, and the
+//! operator→worker wiring contract ([`plan::WorkerPlan`]) with the pure code that builds it
+//! ([`topology::build_plan`]).
+
+pub mod model;
+pub mod plan;
+pub mod schema;
+pub mod spec;
+pub mod topology;
+pub mod validate;
+
+pub use model::{DType, ModelPreset, TensorSpec, TpSplit};
+pub use plan::{WorkerPlan, job_token};
+pub use spec::*;
+pub use validate::{FieldError, ValidationErrors, validate, validate_job};
+
+/// Parses an RLJob from YAML (one document), with a located error on bad input.
+pub fn parse_rljob_yaml(text: &str) -> Result<RLJob, String> {
+    serde_saphyr::from_str::<RLJob>(text).map_err(|e| e.to_string())
+}

@@ -1,0 +1,488 @@
+//! The operator→worker wiring contract.
+//!
+//! A [`WorkerPlan`] is everything the workers of one job epoch need: identity and token, the world
+//! layout, every pod and process with its coordinates and addresses, the refit and fan-out groups
+//! with their rendezvous, the transfer-queue endpoints, and the settings. The operator stores it as
+//! `plan.json` in the job's ConfigMap; every pod runs `rlplane worker --plan /etc/rlplane/plan.json`
+//! and picks its own pod by name (`RLPLANE_POD`, from the downward API). One document per job keeps
+//! the ConfigMap O(ranks) in size, where a copy per pod would be O(ranks × pods) and outgrow the
+//! 1 MiB ConfigMap limit at a few dozen pods.
+//!
+//! The plan is built by pure code ([`crate::topology::build_plan`]) that the operator and the local
+//! runner share; only the [`crate::topology::Addressing`] differs (pod DNS names vs loopback).
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::{
+    Device, Mode, ModelSpec, ObservabilitySpec, RefitSpec, TransferQueueSpec, WorkloadSpec,
+};
+
+/// Version of the plan format. A worker refuses a plan of any other version.
+pub const PLAN_FORMAT_VERSION: u32 = 1;
+
+/// Fixed ports inside a pod (cluster mode). Per-process services add the process's local index.
+pub mod ports {
+    /// Coordinator control channel (ranks connect to it).
+    pub const CONTROL: u16 = 7000;
+    /// Transfer-queue controller (metadata), in the coordinator.
+    pub const TQ_CONTROLLER: u16 = 7001;
+    /// Transfer-queue storage units: base + slot.
+    pub const STORAGE_BASE: u16 = 7100;
+    /// Refit: a sender's rendezvous (NCCL id, TCP root) or a receiver's relay listener: base + local index.
+    pub const REFIT_BASE: u16 = 7200;
+    /// Fan-out from a data-parallel leader to its followers: base + local index.
+    pub const FANOUT_BASE: u16 = 7300;
+}
+
+/// Job identity and the epoch's token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct JobRef {
+    /// RLJob name.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+    /// RLJob uid.
+    pub uid: String,
+    /// Epoch: +1 at every gang restart.
+    pub epoch: u32,
+    /// Token stamped on every handshake (refit, transfer queue, control): a rank of another epoch
+    /// or job presents another token and is refused. Derived from uid and epoch.
+    pub token: String,
+}
+
+/// The kind of pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PodRole {
+    /// Trainer pod (in Colocated mode it also runs generation; pod 0 also runs the coordinator).
+    Trainer,
+    /// Generation pod (Split mode).
+    Generation,
+    /// Dedicated transfer-queue storage pod.
+    Storage,
+}
+
+impl PodRole {
+    /// Name segment used in pod names and labels (`trainer`, `gen`, `tq`).
+    pub fn short(self) -> &'static str {
+        match self {
+            PodRole::Trainer => "trainer",
+            PodRole::Generation => "gen",
+            PodRole::Storage => "tq",
+        }
+    }
+}
+
+/// One pod of the job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodEntry {
+    /// Pod name: `<job>-trainer-<i>`, `<job>-gen-<i>` or `<job>-tq-<i>`.
+    pub name: String,
+    /// Role.
+    pub role: PodRole,
+    /// Index within its role.
+    pub index: u32,
+    /// GPUs the pod requests (0 for storage pods and device Cpu).
+    pub gpus: u32,
+    /// Host other pods reach it at (`<pod>.<job>-headless.<ns>.svc`, or 127.0.0.1 locally).
+    pub host: String,
+    /// Host its listeners bind (0.0.0.0 in a cluster, 127.0.0.1 locally).
+    pub bind_host: String,
+    /// Directory of its ZMQ ipc:// sockets (the shared emptyDir).
+    pub ipc_dir: String,
+}
+
+/// Coordinates of a trainer rank. Global rank order: tp fastest, then cp, dp, pp slowest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainerCoords {
+    /// Global trainer rank.
+    pub rank: u32,
+    /// Tensor-parallel index.
+    pub tp: u32,
+    /// Pipeline stage.
+    pub pp: u32,
+    /// Context-parallel index.
+    pub cp: u32,
+    /// Data-parallel shard.
+    pub dp: u32,
+    /// tp = cp = pp = 0: this rank fetches its shard's batch and fans it out.
+    pub leader: bool,
+}
+
+/// Coordinates of a generation rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GenerationCoords {
+    /// Global generation rank.
+    pub rank: u32,
+    /// Engine index.
+    pub engine: u32,
+    /// Rank within the engine (its tensor-parallel index).
+    pub engine_rank: u32,
+    /// engine_rank = 0: this rank produces the engine's rollouts and hosts its storage unit
+    /// (placement ProducerLocal).
+    pub producer: bool,
+}
+
+/// What a process does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ProcessRole {
+    /// The step coordinator and transfer-queue controller.
+    Coordinator,
+    /// A trainer rank.
+    Trainer(TrainerCoords),
+    /// A generation rank.
+    Generation(GenerationCoords),
+    /// A dedicated storage unit.
+    Storage {
+        /// Storage unit id.
+        unit: u32,
+    },
+}
+
+impl ProcessRole {
+    /// Short role name for logs and errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProcessRole::Coordinator => "coordinator",
+            ProcessRole::Trainer(_) => "trainer",
+            ProcessRole::Generation(_) => "generation",
+            ProcessRole::Storage { .. } => "storage",
+        }
+    }
+}
+
+/// Ports a process listens on (the host comes from its pod).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessPorts {
+    /// Coordinator control channel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control: Option<u16>,
+    /// Transfer-queue controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tq_controller: Option<u16>,
+    /// Refit rendezvous (sender) or relay listener (receiver).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refit: Option<u16>,
+    /// Fan-out rendezvous (data-parallel leader).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fanout: Option<u16>,
+    /// Storage unit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<u16>,
+}
+
+/// One process (rank) of the job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessEntry {
+    /// Unique name: `coordinator`, `trainer-<rank>`, `gen-<rank>`, `tq-<unit>`.
+    pub name: String,
+    /// Index of its pod in [`WorkerPlan::pods`].
+    pub pod: u32,
+    /// Index among its pod's processes (port offsets derive from it).
+    pub local: u32,
+    /// Local GPU index (None on device Cpu and for CPU-only roles).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<u32>,
+    /// Role and coordinates.
+    pub role: ProcessRole,
+    /// Listening ports.
+    #[serde(default)]
+    pub ports: ProcessPorts,
+    /// Colocated refit: the ZMQ `ipc://` endpoint this trainer rank binds for its GPU, which the
+    /// generation rank on the same GPU connects to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipc: Option<String>,
+}
+
+/// A refit group: senders (trainer shards) and every generation rank that needs their bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RefitGroup {
+    /// Group name (`refit`, or `refit-pod<i>` for colocated per-pod groups).
+    pub name: String,
+    /// Sending processes (indices into [`WorkerPlan::processes`]); each is the root of its own
+    /// broadcast and publishes its rendezvous (NCCL unique id) on its refit port.
+    pub senders: Vec<u32>,
+    /// Receiving processes, in relay order.
+    pub receivers: Vec<u32>,
+    /// Every member shares one node (one pod), so CUDA IPC can serve it.
+    pub same_node: bool,
+}
+
+/// A data-parallel shard's fan-out group: its leader and followers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FanoutGroup {
+    /// Data-parallel shard.
+    pub dp: u32,
+    /// The leader (tp = cp = pp = 0), root of the group.
+    pub leader: u32,
+    /// Every member, leader first, in rank order.
+    pub members: Vec<u32>,
+}
+
+/// A transfer-queue storage unit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageUnitEntry {
+    /// Unit id.
+    pub id: u32,
+    /// The process hosting it (an engine's producer, or a dedicated storage process).
+    pub process: u32,
+}
+
+/// World layouts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Layout {
+    /// Trainer tensor-parallel size.
+    pub tp: u32,
+    /// Trainer pipeline-parallel size.
+    pub pp: u32,
+    /// Trainer context-parallel size.
+    pub cp: u32,
+    /// Trainer data-parallel size.
+    pub dp: u32,
+    /// Trainer ranks.
+    pub trainer_world: u32,
+    /// Trainer GPUs per pod.
+    pub trainer_gpus_per_pod: u32,
+    /// Generation engines.
+    pub engines: u32,
+    /// GPUs per engine.
+    pub engine_tp: u32,
+    /// Generation ranks.
+    pub generation_world: u32,
+}
+
+/// Everything the workers of one job epoch need. See the module docs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerPlan {
+    /// Must equal [`PLAN_FORMAT_VERSION`].
+    pub format_version: u32,
+    /// Job identity, epoch and token.
+    pub job: JobRef,
+    /// Colocated or Split.
+    pub mode: Mode,
+    /// Gpu or Cpu.
+    pub device: Device,
+    /// World layouts.
+    pub layout: Layout,
+    /// Every pod.
+    pub pods: Vec<PodEntry>,
+    /// Every process, in a fixed order.
+    pub processes: Vec<ProcessEntry>,
+    /// The coordinator process.
+    pub coordinator: u32,
+    /// Refit groups.
+    pub refit_groups: Vec<RefitGroup>,
+    /// Fan-out groups, one per data-parallel shard.
+    pub fanout_groups: Vec<FanoutGroup>,
+    /// Storage units.
+    pub storage_units: Vec<StorageUnitEntry>,
+    /// The model manifest (preset name or explicit tensors).
+    pub model: ModelSpec,
+    /// Refit settings.
+    pub refit: RefitSpec,
+    /// Transfer-queue settings.
+    pub transfer_queue: TransferQueueSpec,
+    /// Synthetic workload.
+    pub workload: WorkloadSpec,
+    /// Metrics and traces.
+    pub observability: ObservabilitySpec,
+}
+
+/// Errors reading a plan.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The file could not be read.
+    #[error("cannot read plan {path}: {source}")]
+    Read {
+        /// Path.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Not JSON of the expected shape.
+    #[error("plan {path} is not a valid plan: {message}")]
+    Parse {
+        /// Path.
+        path: String,
+        /// Cause.
+        message: String,
+    },
+    /// Another format version.
+    #[error(
+        "plan {path} has format version {found} but this worker reads version {expected}; run a worker image that matches the operator"
+    )]
+    Version {
+        /// Path.
+        path: String,
+        /// Version in the file.
+        found: u32,
+        /// Version this build reads.
+        expected: u32,
+    },
+    /// The pod is not in the plan.
+    #[error("pod `{pod}` is not in the plan (pods: {known}); check RLPLANE_POD / --pod")]
+    UnknownPod {
+        /// Pod asked for.
+        pod: String,
+        /// Pods present.
+        known: String,
+    },
+}
+
+impl WorkerPlan {
+    /// Parses a plan, checking the format version before anything else, so that a plan of another
+    /// version gives the version error rather than a field error.
+    pub fn from_json(path: &str, text: &str) -> Result<WorkerPlan, PlanError> {
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct VersionOnly {
+            format_version: Option<u32>,
+        }
+        let v: VersionOnly =
+            serde_json::from_str(text).map_err(|e| PlanError::Parse { path: path.into(), message: e.to_string() })?;
+        let found = v.format_version.ok_or_else(|| PlanError::Parse {
+            path: path.into(),
+            message: "missing formatVersion".into(),
+        })?;
+        if found != PLAN_FORMAT_VERSION {
+            return Err(PlanError::Version { path: path.into(), found, expected: PLAN_FORMAT_VERSION });
+        }
+        serde_json::from_str(text).map_err(|e| PlanError::Parse { path: path.into(), message: e.to_string() })
+    }
+
+    /// Reads and parses a plan file.
+    pub fn load(path: &str) -> Result<WorkerPlan, PlanError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PlanError::Read { path: path.into(), source })?;
+        Self::from_json(path, &text)
+    }
+
+    /// Serializes the plan (pretty JSON).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a plan always serializes")
+    }
+
+    /// Index of a pod by name.
+    pub fn pod_index(&self, pod: &str) -> Result<u32, PlanError> {
+        self.pods.iter().position(|p| p.name == pod).map(|i| i as u32).ok_or_else(|| PlanError::UnknownPod {
+            pod: pod.into(),
+            known: self.pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "),
+        })
+    }
+
+    /// The processes of one pod, in local order.
+    pub fn processes_of_pod(&self, pod: u32) -> Vec<u32> {
+        (0..self.processes.len() as u32).filter(|&i| self.processes[i as usize].pod == pod).collect()
+    }
+
+    /// A process by index.
+    pub fn process(&self, i: u32) -> &ProcessEntry {
+        &self.processes[i as usize]
+    }
+
+    /// Index of a process by name.
+    pub fn process_index(&self, name: &str) -> Option<u32> {
+        self.processes.iter().position(|p| p.name == name).map(|i| i as u32)
+    }
+
+    /// `host:port` other processes use to reach `port` of process `i`.
+    pub fn address(&self, i: u32, port: u16) -> String {
+        let pod = &self.pods[self.processes[i as usize].pod as usize];
+        format!("{}:{port}", pod.host)
+    }
+
+    /// `host:port` process `i` binds for `port`.
+    pub fn bind_address(&self, i: u32, port: u16) -> String {
+        let pod = &self.pods[self.processes[i as usize].pod as usize];
+        format!("{}:{port}", pod.bind_host)
+    }
+
+    /// The coordinator's control address.
+    pub fn control_address(&self) -> String {
+        let c = self.coordinator;
+        self.address(c, self.process(c).ports.control.expect("the coordinator has a control port"))
+    }
+
+    /// The transfer-queue controller's address.
+    pub fn tq_controller_address(&self) -> String {
+        let c = self.coordinator;
+        self.address(c, self.process(c).ports.tq_controller.expect("the coordinator has a TQ port"))
+    }
+
+    /// Address of a storage unit.
+    pub fn storage_address(&self, unit: u32) -> Option<String> {
+        let u = self.storage_units.iter().find(|u| u.id == unit)?;
+        let port = self.process(u.process).ports.storage?;
+        Some(self.address(u.process, port))
+    }
+
+    /// Trainer ranks in global-rank order (process indices).
+    pub fn trainer_ranks(&self) -> Vec<u32> {
+        let mut v: Vec<(u32, u32)> = self
+            .processes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p.role {
+                ProcessRole::Trainer(c) => Some((c.rank, i as u32)),
+                _ => None,
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, i)| i).collect()
+    }
+
+    /// Generation ranks in global-rank order (process indices).
+    pub fn generation_ranks(&self) -> Vec<u32> {
+        let mut v: Vec<(u32, u32)> = self
+            .processes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p.role {
+                ProcessRole::Generation(c) => Some((c.rank, i as u32)),
+                _ => None,
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, i)| i).collect()
+    }
+
+    /// The refit group a process belongs to (as sender or receiver), if any.
+    pub fn refit_groups_of(&self, process: u32) -> Vec<&RefitGroup> {
+        self.refit_groups
+            .iter()
+            .filter(|g| g.senders.contains(&process) || g.receivers.contains(&process))
+            .collect()
+    }
+
+    /// The fan-out group of a trainer rank.
+    pub fn fanout_group_of(&self, process: u32) -> Option<&FanoutGroup> {
+        self.fanout_groups.iter().find(|g| g.members.contains(&process))
+    }
+
+    /// The resolved model manifest.
+    pub fn manifest(&self) -> Vec<crate::model::TensorSpec> {
+        self.model.manifest()
+    }
+}
+
+/// The token of a job epoch: stamped on every handshake so that a rank of another epoch or job is
+/// refused. It is an identifier, not a secret (it derives from the uid, which anyone who can read
+/// the RLJob can see).
+pub fn job_token(uid: &str, epoch: u32) -> String {
+    // FNV-1a 64: stable across Rust versions and platforms, unlike std's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in uid.as_bytes().iter().chain(b":").chain(epoch.to_le_bytes().iter()) {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("e{epoch}-{h:016x}")
+}

@@ -1,0 +1,397 @@
+//! Pure construction of a job's [`WorkerPlan`] from its spec.
+//!
+//! The operator and the local runner call [`build_plan`] with different [`Addressing`]: pod DNS
+//! names and fixed ports in a cluster ([`ClusterAddressing`]), loopback and free ports on one
+//! machine. Everything else — ranks, coordinates, groups, storage units — is decided here, once.
+//!
+//! Trainer global rank order: tp fastest, then cp, then dp, pp slowest
+//! (`rank = tp + TP·(cp + CP·(dp + DP·pp))`). Trainer rank `r` runs in pod `r / gpusPerNode` on GPU
+//! `r % gpusPerNode`. Generation rank `g` belongs to engine `g / tensorParallel`; in Colocated mode
+//! it shares GPU `g` with trainer rank `g`; in Split mode it runs in generation pod
+//! `g / generation.gpusPerNode`.
+
+use crate::plan::{
+    FanoutGroup, GenerationCoords, JobRef, Layout, PLAN_FORMAT_VERSION, PodEntry, PodRole, ProcessEntry, ProcessPorts,
+    ProcessRole, RefitGroup, StorageUnitEntry, TrainerCoords, WorkerPlan, job_token, ports,
+};
+use crate::spec::{Device, Mode, RLJobSpec, RefitSource, TqPlacement};
+use crate::validate::{ValidationErrors, validate};
+
+/// Identity of the job instance a plan is built for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobIdentity {
+    /// RLJob name.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+    /// RLJob uid.
+    pub uid: String,
+    /// Epoch (0 at the first start, +1 per gang restart).
+    pub epoch: u32,
+}
+
+/// Where pods are reached and what ports their services get.
+pub trait Addressing {
+    /// Host other pods use to reach `pod`.
+    fn host(&self, pod: &str) -> String;
+    /// Host `pod`'s listeners bind.
+    fn bind_host(&self, pod: &str) -> String;
+    /// Directory for `pod`'s ZMQ ipc:// sockets.
+    fn ipc_dir(&self, pod: &str) -> String;
+    /// Port of a service: `base` is one of [`ports`], `offset` the process's local index or slot.
+    fn port(&self, pod: &str, base: u16, offset: u32) -> u16;
+    /// Whether these pods certainly share one node (so CUDA IPC can join them).
+    fn same_node(&self, pods: &[&str]) -> bool;
+}
+
+/// Cluster addressing: `<pod>.<job>-headless.<ns>.svc`, fixed ports, sockets in `/var/run/rlplane`.
+#[derive(Clone, Debug)]
+pub struct ClusterAddressing {
+    /// RLJob name.
+    pub job: String,
+    /// Namespace.
+    pub namespace: String,
+}
+
+/// Directory of the shared emptyDir holding ZMQ ipc:// sockets inside a pod.
+pub const POD_IPC_DIR: &str = "/var/run/rlplane";
+
+impl Addressing for ClusterAddressing {
+    fn host(&self, pod: &str) -> String {
+        format!("{pod}.{}.{}.svc", headless_service_name(&self.job), self.namespace)
+    }
+    fn bind_host(&self, _pod: &str) -> String {
+        "0.0.0.0".into()
+    }
+    fn ipc_dir(&self, _pod: &str) -> String {
+        POD_IPC_DIR.into()
+    }
+    fn port(&self, _pod: &str, base: u16, offset: u32) -> u16 {
+        base + offset as u16
+    }
+    fn same_node(&self, pods: &[&str]) -> bool {
+        // Different pods may land on different nodes; only one pod is certainly one node.
+        pods.windows(2).all(|w| w[0] == w[1])
+    }
+}
+
+/// Name of the job's headless Service.
+pub fn headless_service_name(job: &str) -> String {
+    format!("{job}-headless")
+}
+
+/// Name of the job's plan ConfigMap.
+pub fn plan_config_map_name(job: &str) -> String {
+    format!("{job}-plan")
+}
+
+/// Name of a pod: `<job>-trainer-<i>`, `<job>-gen-<i>`, `<job>-tq-<i>`.
+pub fn pod_name(job: &str, role: PodRole, index: u32) -> String {
+    format!("{job}-{}-{index}", role.short())
+}
+
+/// Builds the plan of a job epoch. Validates the spec first and returns every error.
+pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> Result<WorkerPlan, ValidationErrors> {
+    validate(spec)?;
+    let t = &spec.trainer;
+    let p = &t.parallelism;
+    let g = &spec.generation;
+    let gpu = spec.device == Device::Gpu;
+    let trainer_world = t.nodes * t.gpus_per_node;
+    let gen_world = g.engines * g.tensor_parallel;
+    let gpn = t.gpus_per_node;
+
+    // Pods.
+    let mut pods = Vec::new();
+    let mut add_pod = |role: PodRole, index: u32, gpus: u32| {
+        let name = pod_name(&id.name, role, index);
+        pods.push(PodEntry {
+            host: addr.host(&name),
+            bind_host: addr.bind_host(&name),
+            ipc_dir: addr.ipc_dir(&name),
+            name,
+            role,
+            index,
+            gpus: if gpu { gpus } else { 0 },
+        });
+    };
+    for i in 0..t.nodes {
+        add_pod(PodRole::Trainer, i, gpn);
+    }
+    let gen_pod_gpus = g.pod_gpus();
+    let gen_pods = if spec.mode == Mode::Split { gen_world / gen_pod_gpus } else { 0 };
+    for j in 0..gen_pods {
+        add_pod(PodRole::Generation, j, gen_pod_gpus);
+    }
+    let dedicated = spec.transfer_queue.placement == TqPlacement::Dedicated;
+    let storage_pods = if dedicated { spec.transfer_queue.storage_units } else { 0 };
+    for k in 0..storage_pods {
+        add_pod(PodRole::Storage, k, 0);
+    }
+    let trainer_pod = |r: u32| r / gpn;
+    let gen_pod = |gr: u32| match spec.mode {
+        Mode::Colocated => gr / gpn,
+        Mode::Split => t.nodes + gr / gen_pod_gpus,
+    };
+    let gen_gpu = |gr: u32| match spec.mode {
+        Mode::Colocated => gr % gpn,
+        Mode::Split => gr % gen_pod_gpus,
+    };
+
+    let coords = |r: u32| {
+        let tp = r % p.tensor;
+        let cp = (r / p.tensor) % p.context;
+        let dp = (r / (p.tensor * p.context)) % p.data;
+        let pp = r / (p.tensor * p.context * p.data);
+        TrainerCoords { rank: r, tp, pp, cp, dp, leader: tp == 0 && cp == 0 && pp == 0 }
+    };
+    let senders_of_replica = |dp: u32| -> Vec<u32> {
+        let mut v = Vec::new();
+        for pp in 0..p.pipeline {
+            for tp in 0..p.tensor {
+                v.push(tp + p.tensor * (p.context * (dp + p.data * pp)));
+            }
+        }
+        v
+    };
+    let global_senders: Vec<u32> = match spec.refit.source {
+        RefitSource::Sharded => senders_of_replica(0),
+        RefitSource::Gathered => vec![0],
+    };
+
+    // Colocated: per-pod refit groups when every pod holds a whole replica (cp = 0) of its own.
+    let per_pod_senders: Option<Vec<Vec<u32>>> = if spec.mode == Mode::Colocated && spec.refit.source == RefitSource::Sharded
+    {
+        (0..t.nodes)
+            .map(|pod| {
+                (0..p.data)
+                    .map(senders_of_replica)
+                    .find(|ranks| ranks.iter().all(|&r| trainer_pod(r) == pod))
+            })
+            .collect()
+    } else {
+        None
+    };
+    let is_sender: Vec<bool> = {
+        let mut v = vec![false; trainer_world as usize];
+        match &per_pod_senders {
+            Some(groups) => groups.iter().flatten().for_each(|&r| v[r as usize] = true),
+            None => global_senders.iter().for_each(|&r| v[r as usize] = true),
+        }
+        v
+    };
+
+    // Processes, pod by pod, in local order.
+    let mut processes: Vec<ProcessEntry> = Vec::new();
+    let mut trainer_proc = vec![0u32; trainer_world as usize];
+    let mut gen_proc = vec![0u32; gen_world as usize];
+    let mut storage_units = Vec::new();
+    let mut coordinator = 0u32;
+    for (pod_idx, pod) in pods.iter().enumerate() {
+        let pod_idx = pod_idx as u32;
+        let mut local = 0u32;
+        let mut next_local = || {
+            local += 1;
+            local - 1
+        };
+        match pod.role {
+            PodRole::Trainer => {
+                for slot in 0..gpn {
+                    let r = pod.index * gpn + slot;
+                    let c = coords(r);
+                    let l = next_local();
+                    let ports = ProcessPorts {
+                        refit: is_sender[r as usize].then(|| addr.port(&pod.name, ports::REFIT_BASE, l)),
+                        fanout: c.leader.then(|| addr.port(&pod.name, ports::FANOUT_BASE, l)),
+                        ..Default::default()
+                    };
+                    let ipc = (spec.mode == Mode::Colocated).then(|| format!("ipc://{}/gpu-{slot}.sock", pod.ipc_dir));
+                    trainer_proc[r as usize] = push(
+                        &mut processes,
+                        ProcessEntry {
+                            name: format!("trainer-{r}"),
+                            pod: pod_idx,
+                            local: l,
+                            gpu: gpu.then_some(slot),
+                            role: ProcessRole::Trainer(c),
+                            ports,
+                            ipc,
+                        },
+                    );
+                }
+                if spec.mode == Mode::Colocated {
+                    for slot in 0..gpn {
+                        let gr = pod.index * gpn + slot;
+                        let l = next_local();
+                        let e = gen_entry(spec, addr, pod, pod_idx, gr, l, gen_gpu(gr), gpu);
+                        if let Some(u) = e.1 {
+                            storage_units.push(u);
+                        }
+                        gen_proc[gr as usize] = push(&mut processes, e.0);
+                    }
+                }
+                if pod.index == 0 {
+                    let l = next_local();
+                    coordinator = push(
+                        &mut processes,
+                        ProcessEntry {
+                            name: "coordinator".into(),
+                            pod: pod_idx,
+                            local: l,
+                            gpu: None,
+                            role: ProcessRole::Coordinator,
+                            ports: ProcessPorts {
+                                control: Some(addr.port(&pod.name, ports::CONTROL, 0)),
+                                tq_controller: Some(addr.port(&pod.name, ports::TQ_CONTROLLER, 0)),
+                                ..Default::default()
+                            },
+                            ipc: None,
+                        },
+                    );
+                }
+            }
+            PodRole::Generation => {
+                for slot in 0..gen_pod_gpus {
+                    let gr = pod.index * gen_pod_gpus + slot;
+                    let l = next_local();
+                    let e = gen_entry(spec, addr, pod, pod_idx, gr, l, gen_gpu(gr), gpu);
+                    if let Some(u) = e.1 {
+                        storage_units.push(u);
+                    }
+                    gen_proc[gr as usize] = push(&mut processes, e.0);
+                }
+            }
+            PodRole::Storage => {
+                let l = next_local();
+                push(
+                    &mut processes,
+                    ProcessEntry {
+                        name: format!("tq-{}", pod.index),
+                        pod: pod_idx,
+                        local: l,
+                        gpu: None,
+                        role: ProcessRole::Storage { unit: pod.index },
+                        ports: ProcessPorts {
+                            storage: Some(addr.port(&pod.name, ports::STORAGE_BASE, 0)),
+                            ..Default::default()
+                        },
+                        ipc: None,
+                    },
+                );
+                storage_units.push((pod.index, processes.len() as u32 - 1));
+            }
+        }
+    }
+    // Producer-local units were recorded with their generation rank; resolve to process indices.
+    let storage_units: Vec<StorageUnitEntry> = storage_units
+        .into_iter()
+        .map(|(id, proc_or_rank)| {
+            let process = if dedicated { proc_or_rank } else { gen_proc[proc_or_rank as usize] };
+            StorageUnitEntry { id, process }
+        })
+        .collect();
+
+    // Refit groups.
+    let pod_name_of = |proc_idx: u32| pods[processes[proc_idx as usize].pod as usize].name.as_str();
+    let make_group = |name: String, senders: &[u32], receivers: Vec<u32>| {
+        let senders: Vec<u32> = senders.iter().map(|&r| trainer_proc[r as usize]).collect();
+        let members: Vec<&str> = senders.iter().chain(&receivers).map(|&i| pod_name_of(i)).collect();
+        RefitGroup { name, same_node: addr.same_node(&members), senders, receivers }
+    };
+    let refit_groups = match &per_pod_senders {
+        Some(groups) => groups
+            .iter()
+            .enumerate()
+            .map(|(pod, senders)| {
+                let receivers =
+                    (0..gen_world).filter(|&gr| gen_pod(gr) == pod as u32).map(|gr| gen_proc[gr as usize]).collect();
+                make_group(format!("refit-pod{pod}"), senders, receivers)
+            })
+            .collect(),
+        None => vec![make_group("refit".into(), &global_senders, gen_proc.clone())],
+    };
+
+    // Fan-out groups: one per data-parallel shard, leader first.
+    let fanout_groups = (0..p.data)
+        .map(|dp| {
+            let mut ranks: Vec<u32> = (0..trainer_world).filter(|&r| coords(r).dp == dp).collect();
+            ranks.sort_by_key(|&r| (!coords(r).leader, r));
+            let members: Vec<u32> = ranks.iter().map(|&r| trainer_proc[r as usize]).collect();
+            FanoutGroup { dp, leader: members[0], members }
+        })
+        .collect();
+
+    Ok(WorkerPlan {
+        format_version: PLAN_FORMAT_VERSION,
+        job: JobRef {
+            name: id.name.clone(),
+            namespace: id.namespace.clone(),
+            uid: id.uid.clone(),
+            epoch: id.epoch,
+            token: job_token(&id.uid, id.epoch),
+        },
+        mode: spec.mode,
+        device: spec.device,
+        layout: Layout {
+            tp: p.tensor,
+            pp: p.pipeline,
+            cp: p.context,
+            dp: p.data,
+            trainer_world,
+            trainer_gpus_per_pod: gpn,
+            engines: g.engines,
+            engine_tp: g.tensor_parallel,
+            generation_world: gen_world,
+        },
+        pods,
+        processes,
+        coordinator,
+        refit_groups,
+        fanout_groups,
+        storage_units,
+        model: spec.model.clone(),
+        refit: spec.refit.clone(),
+        transfer_queue: spec.transfer_queue.clone(),
+        workload: spec.workload.clone(),
+        observability: spec.observability.clone(),
+    })
+}
+
+fn push(processes: &mut Vec<ProcessEntry>, e: ProcessEntry) -> u32 {
+    processes.push(e);
+    processes.len() as u32 - 1
+}
+
+/// A generation rank's process entry, and its storage unit `(engine, rank)` when it hosts one.
+#[allow(clippy::too_many_arguments)]
+fn gen_entry(
+    spec: &RLJobSpec,
+    addr: &dyn Addressing,
+    pod: &PodEntry,
+    pod_idx: u32,
+    gr: u32,
+    local: u32,
+    slot: u32,
+    gpu: bool,
+) -> (ProcessEntry, Option<(u32, u32)>) {
+    let tp = spec.generation.tensor_parallel;
+    let c = GenerationCoords { rank: gr, engine: gr / tp, engine_rank: gr % tp, producer: gr % tp == 0 };
+    let hosts_storage = c.producer && spec.transfer_queue.placement == TqPlacement::ProducerLocal;
+    // Storage slot: the engine's index within the pod, so ports stay small and fixed.
+    let storage_slot = slot / tp;
+    let entry = ProcessEntry {
+        name: format!("gen-{gr}"),
+        pod: pod_idx,
+        local,
+        gpu: gpu.then_some(slot),
+        role: ProcessRole::Generation(c),
+        ports: ProcessPorts {
+            refit: Some(addr.port(&pod.name, ports::REFIT_BASE, local)),
+            storage: hosts_storage.then(|| addr.port(&pod.name, ports::STORAGE_BASE, storage_slot)),
+            ..Default::default()
+        },
+        // Colocated: the socket of the GPU it shares with the trainer rank there.
+        ipc: (spec.mode == Mode::Colocated).then(|| format!("ipc://{}/gpu-{slot}.sock", pod.ipc_dir)),
+    };
+    (entry, hosts_storage.then_some((c.engine, gr)))
+}

@@ -1,0 +1,41 @@
+//! Benchmarks: `rlplane bench refit` and `rlplane bench tq`. Each runs its peers as separate
+//! processes on loopback and prints ratios against a reference measured in the same run.
+
+pub mod refit;
+pub mod tq;
+
+use clap::Subcommand;
+
+/// `rlplane bench ...`
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Refit bandwidth against a raw stream of the same bytes.
+    Refit(refit::Args),
+    /// Transfer-queue throughput and latency against a raw stream of the same bytes.
+    Tq(tq::Args),
+}
+
+/// Hidden entry points of the processes a benchmark or test spawns.
+#[derive(Debug, Subcommand)]
+pub enum PeerCommand {
+    /// A refit peer process.
+    Refit(refit::PeerArgs),
+    /// A transfer-queue peer process.
+    Tq(tq::PeerArgs),
+}
+
+/// Runs a benchmark.
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Refit(a) => refit::run(a),
+        BenchCommand::Tq(a) => tq::run(a),
+    }
+}
+
+/// Runs a peer process.
+pub fn run_peer(cmd: PeerCommand) -> anyhow::Result<()> {
+    match cmd {
+        PeerCommand::Refit(a) => refit::run_peer(a),
+        PeerCommand::Tq(a) => tq::run_peer(a),
+    }
+}

@@ -1,0 +1,1 @@
+//! CUDA and NCCL through cudarc, loaded at run time.

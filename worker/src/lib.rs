@@ -1,0 +1,12 @@
+//! The rlplane worker: refit sender/receiver, transfer-queue storage and clients, the step
+//! coordinator, and the local runner that runs a whole RLJob on one machine.
+//!
+//! One module per concern; plain data in between; no global state.
+
+pub mod bench;
+pub mod gpu;
+pub mod net;
+pub mod proc;
+pub mod refit;
+pub mod tq;
+pub mod transport;

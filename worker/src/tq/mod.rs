@@ -1,0 +1,1 @@
+//! The transfer queue: metadata-only controller, storage units, clients and the wire codec.

@@ -1,0 +1,1 @@
+//! Transports that carry refit buckets: TCP (CPU), NCCL and CUDA IPC (GPU).
