@@ -246,7 +246,12 @@ fn decoder_manifest(s: &DecoderShape) -> Vec<TensorSpec> {
         }
         t.push(TensorSpec::with_split(format!("{p}.mlp.gate_proj.weight"), bf16, vec![s.intermediate, s.hidden], Rows));
         t.push(TensorSpec::with_split(format!("{p}.mlp.up_proj.weight"), bf16, vec![s.intermediate, s.hidden], Rows));
-        t.push(TensorSpec::with_split(format!("{p}.mlp.down_proj.weight"), bf16, vec![s.hidden, s.intermediate], Columns));
+        t.push(TensorSpec::with_split(
+            format!("{p}.mlp.down_proj.weight"),
+            bf16,
+            vec![s.hidden, s.intermediate],
+            Columns,
+        ));
         t.push(TensorSpec::with_split(format!("{p}.input_layernorm.weight"), bf16, vec![s.hidden], Replicated));
         t.push(TensorSpec::with_split(
             format!("{p}.post_attention_layernorm.weight"),

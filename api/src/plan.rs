@@ -13,9 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::spec::{
-    Device, Mode, ModelSpec, ObservabilitySpec, RefitSpec, TransferQueueSpec, WorkloadSpec,
-};
+use crate::spec::{Device, Mode, ModelSpec, ObservabilitySpec, RefitSpec, TransferQueueSpec, WorkloadSpec};
 
 /// Version of the plan format. A worker refuses a plan of any other version.
 pub const PLAN_FORMAT_VERSION: u32 = 1;
@@ -350,10 +348,9 @@ impl WorkerPlan {
         }
         let v: VersionOnly =
             serde_json::from_str(text).map_err(|e| PlanError::Parse { path: path.into(), message: e.to_string() })?;
-        let found = v.format_version.ok_or_else(|| PlanError::Parse {
-            path: path.into(),
-            message: "missing formatVersion".into(),
-        })?;
+        let found = v
+            .format_version
+            .ok_or_else(|| PlanError::Parse { path: path.into(), message: "missing formatVersion".into() })?;
         if found != PLAN_FORMAT_VERSION {
             return Err(PlanError::Version { path: path.into(), found, expected: PLAN_FORMAT_VERSION });
         }
@@ -457,10 +454,7 @@ impl WorkerPlan {
 
     /// The refit group a process belongs to (as sender or receiver), if any.
     pub fn refit_groups_of(&self, process: u32) -> Vec<&RefitGroup> {
-        self.refit_groups
-            .iter()
-            .filter(|g| g.senders.contains(&process) || g.receivers.contains(&process))
-            .collect()
+        self.refit_groups.iter().filter(|g| g.senders.contains(&process) || g.receivers.contains(&process)).collect()
     }
 
     /// The fan-out group of a trainer rank.

@@ -7,7 +7,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, EnvVar, PodTemplateSpec, ResourceRequirements, Toleration, Volume, VolumeMount};
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, PodTemplateSpec, ResourceRequirements, Toleration, Volume, VolumeMount,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;

@@ -160,14 +160,11 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
     };
 
     // Colocated: per-pod refit groups when every pod holds a whole replica (cp = 0) of its own.
-    let per_pod_senders: Option<Vec<Vec<u32>>> = if spec.mode == Mode::Colocated && spec.refit.source == RefitSource::Sharded
+    let per_pod_senders: Option<Vec<Vec<u32>>> = if spec.mode == Mode::Colocated
+        && spec.refit.source == RefitSource::Sharded
     {
         (0..t.nodes)
-            .map(|pod| {
-                (0..p.data)
-                    .map(senders_of_replica)
-                    .find(|ranks| ranks.iter().all(|&r| trainer_pod(r) == pod))
-            })
+            .map(|pod| (0..p.data).map(senders_of_replica).find(|ranks| ranks.iter().all(|&r| trainer_pod(r) == pod)))
             .collect()
     } else {
         None

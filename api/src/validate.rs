@@ -178,7 +178,10 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
         if let Some(i) = image
             && i.trim().is_empty()
         {
-            c.err(format!("spec.{role}.image"), "is empty; remove it to use the operator's worker image, or name an image");
+            c.err(
+                format!("spec.{role}.image"),
+                "is empty; remove it to use the operator's worker image, or name an image",
+            );
         }
     }
     for (role, tpl) in [("trainer", &t.template), ("generation", &g.template)] {
@@ -200,7 +203,10 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     if let Some(b) = r.buffer_bytes {
         c.range("spec.refit.bufferBytes", b, 4096, u64::MAX);
         if r.align_bytes > b {
-            c.err("spec.refit.alignBytes", format!("{} exceeds bufferBytes = {b}; use a smaller alignment", r.align_bytes));
+            c.err(
+                "spec.refit.alignBytes",
+                format!("{} exceeds bufferBytes = {b}; use a smaller alignment", r.align_bytes),
+            );
         }
     }
     if let Some(f) = r.buffer_memory_fraction
@@ -214,10 +220,7 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     }
     c.range("spec.refit.timeoutSeconds", r.timeout_seconds, 1, 86400);
     if spec.device == Device::Cpu && matches!(r.transport, RefitTransport::Nccl | RefitTransport::CudaIpc) {
-        c.err(
-            "spec.refit.transport",
-            format!("{:?} needs GPUs but spec.device is Cpu; use Tcp or Auto", r.transport),
-        );
+        c.err("spec.refit.transport", format!("{:?} needs GPUs but spec.device is Cpu; use Tcp or Auto", r.transport));
     }
 
     // Transfer queue.
@@ -286,7 +289,10 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     if let Some(e) = &spec.observability.otlp_endpoint
         && !(e.starts_with("http://") || e.starts_with("https://"))
     {
-        c.err("spec.observability.otlpEndpoint", format!("`{e}` must be an http:// or https:// URL (e.g. http://otel-collector:4317)"));
+        c.err(
+            "spec.observability.otlpEndpoint",
+            format!("`{e}` must be an http:// or https:// URL (e.g. http://otel-collector:4317)"),
+        );
     }
 
     c.finish()
@@ -314,7 +320,10 @@ fn validate_model(spec: &RLJobSpec, c: &mut Collector) {
             c.err(format!("{path}.shape"), format!("has {} dimensions; use 1 to 8", t.shape.len()));
         }
         if t.shape.contains(&0) {
-            c.err(format!("{path}.shape"), format!("{:?} has a zero dimension; every dimension must be at least 1", t.shape));
+            c.err(
+                format!("{path}.shape"),
+                format!("{:?} has a zero dimension; every dimension must be at least 1", t.shape),
+            );
         }
     }
     if manifest_bytes(&tensors) == u64::MAX {
@@ -334,8 +343,11 @@ fn validate_model(spec: &RLJobSpec, c: &mut Collector) {
             }
         }
         if !bad.is_empty() {
-            let list: Vec<String> =
-                bad.iter().take(3).map(|(i, t)| format!("[{i}] {} {:?} split {:?}", t.name, t.shape, t.effective_split())).collect();
+            let list: Vec<String> = bad
+                .iter()
+                .take(3)
+                .map(|(i, t)| format!("[{i}] {} {:?} split {:?}", t.name, t.shape, t.effective_split()))
+                .collect();
             c.err(
                 "spec.model.tensors",
                 format!(
@@ -351,7 +363,12 @@ fn validate_model(spec: &RLJobSpec, c: &mut Collector) {
     if !tensors.is_empty() && (p.pipeline as usize) > tensors.len() {
         c.err(
             "spec.trainer.parallelism.pipeline",
-            format!("{} stages but the model has only {} tensors; use at most {}", p.pipeline, tensors.len(), tensors.len()),
+            format!(
+                "{} stages but the model has only {} tensors; use at most {}",
+                p.pipeline,
+                tensors.len(),
+                tensors.len()
+            ),
         );
     }
 }

@@ -82,11 +82,7 @@ where
     let start = Instant::now();
     match tokio::time::timeout_at(deadline, fut).await {
         Ok(r) => r.map_err(Into::into),
-        Err(_) => Err(NetError::Timeout {
-            what: what.into(),
-            peer: peer.into(),
-            secs: start.elapsed().as_secs_f64(),
-        }),
+        Err(_) => Err(NetError::Timeout { what: what.into(), peer: peer.into(), secs: start.elapsed().as_secs_f64() }),
     }
 }
 
@@ -152,7 +148,8 @@ pub const MAX_FRAME: u32 = 64 << 20;
 
 /// Writes one frame: a little-endian u32 length, then the bytes.
 pub async fn write_frame<W: AsyncWriteExt + Unpin>(w: &mut W, payload: &[u8]) -> io::Result<()> {
-    let len = u32::try_from(payload.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
+    let len =
+        u32::try_from(payload.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
     w.write_all(&len.to_le_bytes()).await?;
     w.write_all(payload).await
 }
@@ -163,7 +160,10 @@ pub async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>, m
     r.read_exact(&mut len).await?;
     let len = u32::from_le_bytes(len);
     if len > max {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame of {len} bytes exceeds the limit of {max}")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit of {max}"),
+        ));
     }
     buf.clear();
     buf.resize(len as usize, 0);
@@ -273,7 +273,10 @@ pub async fn accept_hello(
             ));
         }
         if h.version != version {
-            return Err(format!("protocol version {} where {version} was expected; run matching worker images", h.version));
+            return Err(format!(
+                "protocol version {} where {version} was expected; run matching worker images",
+                h.version
+            ));
         }
         if h.token != token {
             return Err(format!(
@@ -286,7 +289,10 @@ pub async fn accept_hello(
     });
     match verdict {
         Ok(h) => {
-            stream.write_all(&[HELLO_OK]).await.map_err(|e| NetError::io("answering the handshake", h.peer.as_str(), e))?;
+            stream
+                .write_all(&[HELLO_OK])
+                .await
+                .map_err(|e| NetError::io("answering the handshake", h.peer.as_str(), e))?;
             Ok(h)
         }
         Err(reason) => {
