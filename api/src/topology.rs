@@ -372,7 +372,7 @@ fn gen_entry(
     gpu: bool,
 ) -> (ProcessEntry, Option<(u32, u32)>) {
     let tp = spec.generation.tensor_parallel;
-    let c = GenerationCoords { rank: gr, engine: gr / tp, engine_rank: gr % tp, producer: gr % tp == 0 };
+    let c = GenerationCoords { rank: gr, engine: gr / tp, engine_rank: gr % tp, producer: gr.is_multiple_of(tp) };
     let hosts_storage = c.producer && spec.transfer_queue.placement == TqPlacement::ProducerLocal;
     // Storage slot: the engine's index within the pod, so ports stay small and fixed.
     let storage_slot = slot / tp;

@@ -139,7 +139,7 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
                     ),
                 );
             }
-            if g.tensor_parallel > 0 && t.gpus_per_node % g.tensor_parallel != 0 {
+            if g.tensor_parallel > 0 && !t.gpus_per_node.is_multiple_of(g.tensor_parallel) {
                 c.err(
                     "spec.generation.tensorParallel",
                     format!(
@@ -152,7 +152,7 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
         Mode::Split => {
             let pod_gpus = g.pod_gpus();
             c.range("spec.generation.gpusPerNode", pod_gpus, 1, 16);
-            if g.tensor_parallel > 0 && pod_gpus % g.tensor_parallel != 0 {
+            if g.tensor_parallel > 0 && !pod_gpus.is_multiple_of(g.tensor_parallel) {
                 c.err(
                     "spec.generation.gpusPerNode",
                     format!(
@@ -160,9 +160,8 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
                         g.tensor_parallel
                     ),
                 );
-            } else if g.tensor_parallel > 0 {
-                let per_pod = pod_gpus / g.tensor_parallel;
-                if per_pod > 0 && g.engines % per_pod != 0 {
+            } else if let Some(per_pod) = pod_gpus.checked_div(g.tensor_parallel) {
+                if per_pod > 0 && !g.engines.is_multiple_of(per_pod) {
                     c.err(
                         "spec.generation.engines",
                         format!(
