@@ -160,8 +160,11 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
                         g.tensor_parallel
                     ),
                 );
-            } else if let Some(per_pod) = pod_gpus.checked_div(g.tensor_parallel) {
-                if per_pod > 0 && !g.engines.is_multiple_of(per_pod) {
+            } else if let Some(per_pod) = pod_gpus.checked_div(g.tensor_parallel)
+                && per_pod > 0
+                && !g.engines.is_multiple_of(per_pod)
+            {
+                {
                     c.err(
                         "spec.generation.engines",
                         format!(
