@@ -2,6 +2,7 @@
 //! operator→worker wiring contract ([`plan::WorkerPlan`]) with the pure code that builds it
 //! ([`topology::build_plan`]).
 
+pub mod manifest;
 pub mod model;
 pub mod plan;
 pub mod schema;
@@ -13,8 +14,4 @@ pub use model::{DType, ModelPreset, TensorSpec, TpSplit};
 pub use plan::{WorkerPlan, job_token};
 pub use spec::*;
 pub use validate::{FieldError, ValidationErrors, validate, validate_job};
-
-/// Parses an RLJob from YAML (one document), with a located error on bad input.
-pub fn parse_rljob_yaml(text: &str) -> Result<RLJob, String> {
-    serde_saphyr::from_str::<RLJob>(text).map_err(|e| e.to_string())
-}
+pub use manifest::{ManifestErrors, load_rljob};

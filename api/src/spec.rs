@@ -45,6 +45,7 @@ pub const MAX_JOB_NAME_LEN: usize = 40;
 #[x_kube(validation = Rule::new("self.mode != 'Colocated' || self.generation.engines * self.generation.tensorParallel == self.trainer.nodes * self.trainer.gpusPerNode").message("spec.generation: in Colocated mode engines × tensorParallel must equal the trainer's nodes × gpusPerNode (generation shares the trainer's GPUs)"))]
 #[x_kube(validation = Rule::new("self.mode != 'Colocated' || self.trainer.gpusPerNode % self.generation.tensorParallel == 0").message("spec.generation.tensorParallel: in Colocated mode an engine must fit in one trainer pod, so tensorParallel must divide trainer.gpusPerNode"))]
 #[x_kube(validation = Rule::new("self.device == 'Gpu' || (self.refit.transport != 'Nccl' && self.refit.transport != 'CudaIpc')").message("spec.refit.transport: Nccl and CudaIpc need GPUs; with device Cpu use Tcp or Auto"))]
+#[x_kube(validation = Rule::new("self.mode != 'Split' || !has(self.generation.gpusPerNode) || self.generation.gpusPerNode < self.generation.tensorParallel || self.generation.engines % (self.generation.gpusPerNode / self.generation.tensorParallel) == 0").message("spec.generation.engines: in Split mode engines must fill whole generation pods (a multiple of gpusPerNode / tensorParallel)"))]
 #[x_kube(validation = Rule::new("self.workload.promptsPerStep * self.workload.samplesPerPrompt >= self.trainer.parallelism.data").message("spec.workload: promptsPerStep × samplesPerPrompt must be at least trainer.parallelism.data, so that every data-parallel shard gets samples"))]
 pub struct RLJobSpec {
     /// Where generation runs: `Colocated` (trainer and generation engines share the same GPUs and
@@ -199,8 +200,9 @@ pub struct PodOverrides {
 }
 
 /// The trainer role.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context * self.parallelism.data == self.nodes * self.gpusPerNode").message("spec.trainer.parallelism: tensor×pipeline×context×data must equal nodes×gpusPerNode"))]
 pub struct TrainerSpec {
     /// Number of trainer pods (one per node).
     #[serde(default = "one")]
@@ -541,8 +543,10 @@ pub struct SchedulingSpec {
 }
 
 /// Metrics and traces.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.metricsPort < 7000 || self.metricsPort > 7999").message("spec.observability.metricsPort: 7000-7999 is used by the worker for refit and the transfer queue; pick another port (default 9400)"))]
+#[x_kube(validation = Rule::new("!has(self.otlpEndpoint) || self.otlpEndpoint.startsWith('http://') || self.otlpEndpoint.startsWith('https://')").message("spec.observability.otlpEndpoint: must be an http:// or https:// URL (e.g. http://otel-collector:4317)"))]
 pub struct ObservabilitySpec {
     /// Port of every worker's Prometheus `/metrics` (also `/healthz`, `/readyz`).
     #[serde(default = "default_metrics_port")]

@@ -1,0 +1,472 @@
+//! The desired state of an RLJob epoch, computed by pure functions from the spec: the headless
+//! Service, the plan ConfigMap, every Pod, and the gang scheduler's PodGroup. No I/O here; the
+//! controller applies the result with server-side apply.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, PodSpec, Probe, ResourceRequirements, Service, ServicePort,
+    ServiceSpec, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::Resource;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+use rlplane_api::plan::{PodEntry, PodRole, ProcessRole, WorkerPlan};
+use rlplane_api::topology::{ClusterAddressing, JobIdentity, POD_IPC_DIR, build_plan, headless_service_name, plan_config_map_name};
+use rlplane_api::{Device, GangScheduler, Mode, PodOverrides, RLJob, UserTemplate, ValidationErrors, validate_job};
+
+/// Label keys.
+pub mod labels {
+    /// The RLJob a pod belongs to.
+    pub const JOB: &str = "rlplane.dev/job";
+    /// Pod role: trainer, gen, tq.
+    pub const ROLE: &str = "rlplane.dev/role";
+    /// Pod index within its role.
+    pub const INDEX: &str = "rlplane.dev/index";
+    /// The epoch the pod was created for.
+    pub const EPOCH: &str = "rlplane.dev/epoch";
+    /// First global rank of the pod's role in the pod.
+    pub const FIRST_RANK: &str = "rlplane.dev/first-rank";
+    /// Set on the pod that runs the coordinator.
+    pub const COORDINATOR: &str = "rlplane.dev/coordinator";
+    /// Kueue's queue label on an RLJob.
+    pub const KUEUE_QUEUE: &str = "kueue.x-k8s.io/queue-name";
+}
+
+/// Field manager for server-side apply.
+pub const FIELD_MANAGER: &str = "rlplane-operator";
+/// Key of the plan in the ConfigMap.
+pub const PLAN_KEY: &str = "plan.json";
+/// Where the plan is mounted in the worker container.
+pub const PLAN_MOUNT: &str = "/etc/rlplane";
+/// Name of the worker container (or native sidecar).
+pub const WORKER_CONTAINER: &str = "rlplane-worker";
+/// ConfigMaps hold at most 1 MiB.
+pub const MAX_PLAN_BYTES: usize = 1_000_000;
+
+/// Settings of the operator that shape pods.
+#[derive(Clone, Debug)]
+pub struct OperatorConfig {
+    /// Worker image used when a role gives none.
+    pub worker_image: String,
+    /// Image pull policy of the worker container (None: the cluster default).
+    pub image_pull_policy: Option<String>,
+}
+
+impl Default for OperatorConfig {
+    fn default() -> Self {
+        OperatorConfig {
+            worker_image: format!("ghcr.io/rlplane/rlplane-worker:{}", env!("CARGO_PKG_VERSION")),
+            image_pull_policy: None,
+        }
+    }
+}
+
+/// Why no desired state could be computed.
+#[derive(Debug, thiserror::Error)]
+pub enum DesiredError {
+    /// The spec breaks validation rules; not retried until the spec changes.
+    #[error("invalid spec:\n{0}")]
+    InvalidSpec(ValidationErrors),
+    /// The plan does not fit in a ConfigMap.
+    #[error("the worker plan is {bytes} bytes, over the ConfigMap limit of {MAX_PLAN_BYTES}; use a model preset instead of an explicit tensor list, or fewer ranks")]
+    PlanTooLarge {
+        /// Plan size.
+        bytes: usize,
+    },
+    /// The RLJob lacks metadata the operator needs.
+    #[error("the RLJob has no {0}; it must come from the API server")]
+    MissingMetadata(&'static str),
+}
+
+/// Everything the operator creates for one epoch of a job.
+#[derive(Clone, Debug)]
+pub struct Desired {
+    /// The plan every worker reads.
+    pub plan: WorkerPlan,
+    /// Headless Service giving pods stable DNS names.
+    pub service: Service,
+    /// ConfigMap holding the plan.
+    pub config_map: ConfigMap,
+    /// Every pod, trainer pods first.
+    pub pods: Vec<Pod>,
+    /// The gang scheduler's PodGroup, when `scheduling.gang` asks for one.
+    pub pod_group: Option<DynamicObject>,
+}
+
+/// Computes the desired state of `job` at `epoch`.
+pub fn desired(job: &RLJob, epoch: u32, cfg: &OperatorConfig) -> Result<Desired, DesiredError> {
+    validate_job(job).map_err(DesiredError::InvalidSpec)?;
+    let name = job.metadata.name.clone().ok_or(DesiredError::MissingMetadata("metadata.name"))?;
+    let namespace = job.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    let uid = job.metadata.uid.clone().ok_or(DesiredError::MissingMetadata("metadata.uid"))?;
+    let id = JobIdentity { name: name.clone(), namespace: namespace.clone(), uid, epoch };
+    let addressing = ClusterAddressing { job: name.clone(), namespace: namespace.clone() };
+    let plan = build_plan(&job.spec, &id, &addressing).map_err(DesiredError::InvalidSpec)?;
+    let plan_json = serde_json::to_string(&plan).expect("a plan always serializes");
+    if plan_json.len() > MAX_PLAN_BYTES {
+        return Err(DesiredError::PlanTooLarge { bytes: plan_json.len() });
+    }
+    let owner = owner_reference(job);
+    let meta = |obj_name: String, extra: BTreeMap<String, String>| ObjectMeta {
+        name: Some(obj_name),
+        namespace: Some(namespace.clone()),
+        labels: Some(common_labels(&name).into_iter().chain(extra).collect()),
+        owner_references: Some(vec![owner.clone()]),
+        ..Default::default()
+    };
+
+    let service = Service {
+        metadata: meta(headless_service_name(&name), BTreeMap::new()),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            // Ranks rendezvous before they are ready: their DNS names must resolve at once.
+            publish_not_ready_addresses: Some(true),
+            selector: Some(selector_labels(&name)),
+            ports: Some(vec![ServicePort {
+                name: Some("metrics".into()),
+                port: job.spec.observability.metrics_port as i32,
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+
+    let config_map = ConfigMap {
+        metadata: meta(plan_config_map_name(&name), BTreeMap::from([(labels::EPOCH.into(), epoch.to_string())])),
+        data: Some(BTreeMap::from([(PLAN_KEY.into(), plan_json)])),
+        ..Default::default()
+    };
+
+    let pod_group = pod_group(job, &name, &namespace, &owner, plan.pods.len());
+    let pods = (0..plan.pods.len()).map(|i| pod(job, &plan, i, epoch, cfg, &owner, &meta)).collect();
+    Ok(Desired { plan, service, config_map, pods, pod_group })
+}
+
+/// Labels on every object of a job.
+pub fn common_labels(job: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".into(), "rlplane".into()),
+        ("app.kubernetes.io/instance".into(), job.into()),
+        ("app.kubernetes.io/managed-by".into(), FIELD_MANAGER.into()),
+        ("app.kubernetes.io/part-of".into(), "rlplane".into()),
+        (labels::JOB.into(), job.into()),
+    ])
+}
+
+/// Labels that select a job's pods.
+pub fn selector_labels(job: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([(labels::JOB.into(), job.into())])
+}
+
+/// Owner reference making the RLJob the controller of an object (garbage-collected with it).
+pub fn owner_reference(job: &RLJob) -> OwnerReference {
+    OwnerReference {
+        api_version: RLJob::api_version(&()).into_owned(),
+        kind: RLJob::kind(&()).into_owned(),
+        name: job.metadata.name.clone().unwrap_or_default(),
+        uid: job.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
+/// Name of the job's PodGroup.
+pub fn pod_group_name(job: &str) -> String {
+    format!("{job}-gang")
+}
+
+fn pod_group(job: &RLJob, name: &str, namespace: &str, owner: &OwnerReference, pods: usize) -> Option<DynamicObject> {
+    let (group, version) = match job.spec.scheduling.gang {
+        GangScheduler::None => return None,
+        GangScheduler::Volcano => ("scheduling.volcano.sh", "v1beta1"),
+        GangScheduler::Coscheduling => ("scheduling.x-k8s.io", "v1alpha1"),
+    };
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, "PodGroup"));
+    let mut spec = serde_json::json!({ "minMember": pods });
+    if let Some(pc) = &job.spec.scheduling.priority_class_name
+        && job.spec.scheduling.gang == GangScheduler::Volcano
+    {
+        spec["priorityClassName"] = pc.clone().into();
+    }
+    let mut obj = DynamicObject::new(&pod_group_name(name), &ar).within(namespace).data(serde_json::json!({ "spec": spec }));
+    obj.metadata.labels = Some(common_labels(name));
+    obj.metadata.owner_references = Some(vec![owner.clone()]);
+    Some(obj)
+}
+
+/// Scheduler name for the pods: the explicit one, else the gang scheduler's.
+fn scheduler_name(job: &RLJob) -> Option<String> {
+    let s = &job.spec.scheduling;
+    s.scheduler_name.clone().or(match s.gang {
+        GangScheduler::None => None,
+        GangScheduler::Volcano => Some("volcano".into()),
+        GangScheduler::Coscheduling => Some("scheduler-plugins-scheduler".into()),
+    })
+}
+
+fn pod(
+    job: &RLJob,
+    plan: &WorkerPlan,
+    index: usize,
+    epoch: u32,
+    cfg: &OperatorConfig,
+    owner: &OwnerReference,
+    meta: &dyn Fn(String, BTreeMap<String, String>) -> ObjectMeta,
+) -> Pod {
+    let entry: &PodEntry = &plan.pods[index];
+    let spec = &job.spec;
+    let job_name = &plan.job.name;
+    let procs = plan.processes_of_pod(index as u32);
+    // Role-specific settings: generation pods in Split mode use the generation spec, storage
+    // pods neither role's overrides.
+    let (overrides, image, resources, templates): (Option<&PodOverrides>, _, _, Vec<&UserTemplate>) = match entry.role {
+        PodRole::Trainer => {
+            let mut t: Vec<&UserTemplate> = spec.trainer.template.iter().collect();
+            if spec.mode == Mode::Colocated {
+                t.extend(spec.generation.template.iter());
+            }
+            (Some(&spec.trainer.pod), spec.trainer.image.clone(), spec.trainer.resources.clone(), t)
+        }
+        PodRole::Generation => (
+            Some(&spec.generation.pod),
+            spec.generation.image.clone(),
+            spec.generation.resources.clone(),
+            spec.generation.template.iter().collect(),
+        ),
+        PodRole::Storage => (None, spec.trainer.image.clone(), None, Vec::new()),
+    };
+
+    let first_rank = procs.iter().find_map(|&p| match plan.process(p).role {
+        ProcessRole::Trainer(c) => Some(c.rank),
+        ProcessRole::Generation(c) => Some(c.rank),
+        ProcessRole::Storage { unit } => Some(unit),
+        ProcessRole::Coordinator => None,
+    });
+    let mut pod_labels = BTreeMap::from([
+        (labels::ROLE.to_string(), entry.role.short().to_string()),
+        (labels::INDEX.to_string(), entry.index.to_string()),
+        (labels::EPOCH.to_string(), epoch.to_string()),
+        ("app.kubernetes.io/component".to_string(), entry.role.short().to_string()),
+    ]);
+    if let Some(r) = first_rank {
+        pod_labels.insert(labels::FIRST_RANK.into(), r.to_string());
+    }
+    if procs.contains(&plan.coordinator) {
+        pod_labels.insert(labels::COORDINATOR.into(), "true".into());
+    }
+    match spec.scheduling.gang {
+        GangScheduler::Coscheduling => {
+            pod_labels.insert("scheduling.x-k8s.io/pod-group".into(), pod_group_name(job_name));
+        }
+        GangScheduler::Volcano | GangScheduler::None => {}
+    }
+    let mut metadata = meta(entry.name.clone(), pod_labels);
+    let mut annotations: BTreeMap<String, String> = BTreeMap::new();
+    for t in &templates {
+        if let Ok(pt) = t.pod_template()
+            && let Some(m) = pt.metadata
+        {
+            annotations.extend(m.annotations.unwrap_or_default());
+            let l = metadata.labels.get_or_insert_with(BTreeMap::new);
+            for (k, v) in m.labels.unwrap_or_default() {
+                l.entry(k).or_insert(v);
+            }
+        }
+    }
+    if let Some(o) = overrides {
+        annotations.extend(o.annotations.clone());
+        let l = metadata.labels.get_or_insert_with(BTreeMap::new);
+        for (k, v) in &o.labels {
+            l.entry(k.clone()).or_insert(v.clone());
+        }
+    }
+    if spec.scheduling.gang == GangScheduler::Volcano {
+        annotations.insert("scheduling.k8s.io/group-name".into(), pod_group_name(job_name));
+    }
+    annotations.insert("rlplane.dev/processes".into(), procs.iter().map(|&p| plan.process(p).name.as_str()).collect::<Vec<_>>().join(","));
+    metadata.annotations = Some(annotations);
+    metadata.owner_references = Some(vec![owner.clone()]);
+
+    // The worker container.
+    let mut ports = vec![ContainerPort {
+        name: Some("metrics".into()),
+        container_port: spec.observability.metrics_port as i32,
+        ..Default::default()
+    }];
+    for &p in &procs {
+        let pr = &plan.process(p).ports;
+        for (kind, port) in [
+            ("control", pr.control),
+            ("tq", pr.tq_controller),
+            ("refit", pr.refit),
+            ("fanout", pr.fanout),
+            ("storage", pr.storage),
+        ] {
+            if let Some(port) = port {
+                ports.push(ContainerPort {
+                    // Port names are at most 15 characters: kind + local index.
+                    name: Some(format!("{kind}-{}", plan.process(p).local)),
+                    container_port: port as i32,
+                    ..Default::default()
+                });
+            }
+        }
+    }
+    ports.sort_by_key(|p| p.container_port);
+    ports.dedup_by_key(|p| p.container_port);
+
+    let mut env = vec![
+        env_field("RLPLANE_POD", "metadata.name"),
+        env_field("RLPLANE_NAMESPACE", "metadata.namespace"),
+        EnvVar { name: "RLPLANE_IPC_DIR".into(), value: Some(POD_IPC_DIR.into()), ..Default::default() },
+    ];
+    if let Some(o) = overrides {
+        env.extend(o.env.iter().cloned());
+    }
+    let mut mounts = vec![
+        VolumeMount { name: "plan".into(), mount_path: PLAN_MOUNT.into(), read_only: Some(true), ..Default::default() },
+        VolumeMount { name: "ipc".into(), mount_path: POD_IPC_DIR.into(), ..Default::default() },
+        VolumeMount { name: "dshm".into(), mount_path: "/dev/shm".into(), ..Default::default() },
+    ];
+    if let Some(o) = overrides {
+        mounts.extend(o.volume_mounts.iter().cloned());
+    }
+    let gpus = entry.gpus;
+    let resources = with_gpus(resources, if spec.device == Device::Gpu && templates.is_empty() { gpus } else { 0 });
+    let mut worker = Container {
+        name: WORKER_CONTAINER.into(),
+        image: Some(image.unwrap_or_else(|| cfg.worker_image.clone())),
+        image_pull_policy: cfg.image_pull_policy.clone(),
+        command: Some(vec!["rlplane".into(), "worker".into(), "--plan".into(), format!("{PLAN_MOUNT}/{PLAN_KEY}")]),
+        env: Some(env),
+        ports: Some(ports),
+        volume_mounts: Some(mounts),
+        resources,
+        readiness_probe: Some(Probe {
+            http_get: Some(HTTPGetAction {
+                path: Some("/readyz".into()),
+                port: IntOrString::String("metrics".into()),
+                ..Default::default()
+            }),
+            period_seconds: Some(2),
+            failure_threshold: Some(3),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+
+    let mut volumes = vec![
+        Volume {
+            name: "plan".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: plan_config_map_name(job_name),
+                items: Some(vec![KeyToPath { key: PLAN_KEY.into(), path: PLAN_KEY.into(), ..Default::default() }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        Volume { name: "ipc".into(), empty_dir: Some(EmptyDirVolumeSource::default()), ..Default::default() },
+        Volume {
+            name: "dshm".into(),
+            empty_dir: Some(EmptyDirVolumeSource { medium: Some("Memory".into()), ..Default::default() }),
+            ..Default::default()
+        },
+    ];
+    if let Some(o) = overrides {
+        volumes.extend(o.volumes.iter().cloned());
+    }
+
+    let mut pod_spec = PodSpec {
+        hostname: Some(entry.name.clone()),
+        subdomain: Some(headless_service_name(job_name)),
+        restart_policy: Some("Never".into()),
+        scheduler_name: scheduler_name(job),
+        priority_class_name: spec.scheduling.priority_class_name.clone(),
+        node_selector: overrides.map(|o| o.node_selector.clone()).filter(|m| !m.is_empty()),
+        tolerations: overrides.map(|o| o.tolerations.clone()).filter(|v| !v.is_empty()),
+        affinity: overrides.and_then(|o| o.affinity.clone()),
+        ..Default::default()
+    };
+
+    if templates.is_empty() {
+        pod_spec.containers = vec![worker];
+    } else {
+        // Users' containers run the real trainer / engine; the worker joins as a native sidecar
+        // (an init container with restartPolicy Always), sharing the IPC sockets and /dev/shm.
+        worker.restart_policy = Some("Always".into());
+        let shared = [
+            VolumeMount { name: "ipc".into(), mount_path: POD_IPC_DIR.into(), ..Default::default() },
+            VolumeMount { name: "dshm".into(), mount_path: "/dev/shm".into(), ..Default::default() },
+        ];
+        let mut containers = Vec::new();
+        let mut init = vec![worker];
+        for t in &templates {
+            let Ok(pt) = t.pod_template() else { continue };
+            let Some(ts) = pt.spec else { continue };
+            for mut c in ts.containers {
+                let m = c.volume_mounts.get_or_insert_with(Vec::new);
+                m.extend(shared.iter().filter(|s| !m.iter().any(|x| x.mount_path == s.mount_path)).cloned().collect::<Vec<_>>());
+                let e = c.env.get_or_insert_with(Vec::new);
+                e.push(env_field("RLPLANE_POD", "metadata.name"));
+                e.push(EnvVar { name: "RLPLANE_IPC_DIR".into(), value: Some(POD_IPC_DIR.into()), ..Default::default() });
+                containers.push(c);
+            }
+            init.extend(ts.init_containers.unwrap_or_default());
+            volumes.extend(ts.volumes.unwrap_or_default());
+            if pod_spec.service_account_name.is_none() {
+                pod_spec.service_account_name = ts.service_account_name;
+            }
+            if pod_spec.node_selector.is_none() {
+                pod_spec.node_selector = ts.node_selector;
+            }
+            if pod_spec.tolerations.is_none() {
+                pod_spec.tolerations = ts.tolerations;
+            }
+            if pod_spec.affinity.is_none() {
+                pod_spec.affinity = ts.affinity;
+            }
+            pod_spec.image_pull_secrets = pod_spec.image_pull_secrets.or(ts.image_pull_secrets);
+        }
+        // The device plugin gives GPUs per container: when no user container asks for them, the
+        // first one gets the pod's GPUs.
+        let asks_gpus = containers.iter().any(|c| {
+            c.resources.as_ref().and_then(|r| r.limits.as_ref()).is_some_and(|l| l.contains_key("nvidia.com/gpu"))
+        });
+        if spec.device == Device::Gpu && gpus > 0 && !asks_gpus && let Some(first) = containers.first_mut() {
+            first.resources = with_gpus(first.resources.take(), gpus);
+        }
+        pod_spec.containers = containers;
+        pod_spec.init_containers = Some(init);
+    }
+    volumes.dedup_by(|a, b| a.name == b.name);
+    pod_spec.volumes = Some(volumes);
+    Pod { metadata, spec: Some(pod_spec), status: None }
+}
+
+fn env_field(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector { field_path: path.into(), ..Default::default() }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The user's resources with `nvidia.com/gpu` set to `gpus` in limits and requests (when > 0).
+fn with_gpus(resources: Option<ResourceRequirements>, gpus: u32) -> Option<ResourceRequirements> {
+    if gpus == 0 {
+        return resources;
+    }
+    let mut r = resources.unwrap_or_default();
+    let q = Quantity(gpus.to_string());
+    r.limits.get_or_insert_with(BTreeMap::new).insert("nvidia.com/gpu".into(), q.clone());
+    r.requests.get_or_insert_with(BTreeMap::new).insert("nvidia.com/gpu".into(), q);
+    Some(r)
+}

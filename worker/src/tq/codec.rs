@@ -1,0 +1,878 @@
+//! The transfer queue's wire format: one header frame, then raw little-endian buffer frames.
+//!
+//! ```text
+//! header frame : u32 len | version u16 | kind u8 | flags u8 | request_id u32 | token str | body
+//! buffer frame : u64 len | len raw bytes            (as many as the body's column block declares)
+//! str          : u32 len | UTF-8 bytes
+//! ```
+//! Everything is little-endian. Bulk values never pass through the header: a column block in the
+//! body declares each column's spec and value length, and the buffers follow as their own frames
+//! (for a ragged column: its `n + 1` u64 row offsets, then its values), so a Python peer reads them
+//! with `np.frombuffer` and a Rust peer writes them with vectored writes straight from the stored
+//! buffers. `docs/transfer-queue.md` documents every body.
+//!
+//! Decoding never panics and never allocates more than the frame it reads: every count is checked
+//! against the bytes left, every length against its declaration.
+
+use std::io::IoSlice;
+
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleMeta};
+
+/// Version of the wire format; carried by every message. A peer of another version is refused.
+pub const WIRE_VERSION: u16 = 1;
+
+/// Handshake magic of the controller service.
+pub const CONTROLLER_MAGIC: [u8; 4] = *b"TQCT";
+/// Handshake magic of a storage unit.
+pub const STORAGE_MAGIC: [u8; 4] = *b"TQSU";
+/// Handshake magic of a fan-out group.
+pub const FANOUT_MAGIC: [u8; 4] = *b"TQFO";
+
+/// Largest header frame accepted (metadata only; bulk goes in buffer frames).
+pub const MAX_HEADER: u32 = crate::net::MAX_FRAME;
+
+/// Most dimensions of a row shape.
+pub const MAX_NDIM: usize = 8;
+
+/// A malformed frame: what could not be decoded and where.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed transfer-queue frame at byte {offset}: {what}")]
+pub struct CodecError {
+    /// Byte offset in the frame.
+    pub offset: usize,
+    /// What was wrong.
+    pub what: String,
+}
+
+/// Error codes of an [`Body::Error`] reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// The frame could not be decoded.
+    Malformed,
+    /// Another wire version.
+    Version,
+    /// Another job or epoch.
+    Token,
+    /// A put waited for capacity until its timeout (backpressure).
+    CapacityTimeout,
+    /// A put larger than the whole storage unit.
+    TooLarge,
+    /// A key, field or partition is not there.
+    NotFound,
+    /// A field's dtype or shape disagrees with the partition's schema.
+    Schema,
+    /// The partition lost a storage unit.
+    PartitionLost,
+    /// A well-formed request that makes no sense (wrong counts, unknown kind for this service).
+    BadRequest,
+    /// A storage unit could not be reached by the controller.
+    UnitUnreachable,
+    /// A code this build does not know.
+    Other(u16),
+}
+
+impl ErrorCode {
+    /// Wire value.
+    pub fn code(self) -> u16 {
+        match self {
+            ErrorCode::Malformed => 1,
+            ErrorCode::Version => 2,
+            ErrorCode::Token => 3,
+            ErrorCode::CapacityTimeout => 4,
+            ErrorCode::TooLarge => 5,
+            ErrorCode::NotFound => 6,
+            ErrorCode::Schema => 7,
+            ErrorCode::PartitionLost => 8,
+            ErrorCode::BadRequest => 9,
+            ErrorCode::UnitUnreachable => 10,
+            ErrorCode::Other(c) => c,
+        }
+    }
+
+    /// From the wire value.
+    pub fn from_code(c: u16) -> ErrorCode {
+        match c {
+            1 => ErrorCode::Malformed,
+            2 => ErrorCode::Version,
+            3 => ErrorCode::Token,
+            4 => ErrorCode::CapacityTimeout,
+            5 => ErrorCode::TooLarge,
+            6 => ErrorCode::NotFound,
+            7 => ErrorCode::Schema,
+            8 => ErrorCode::PartitionLost,
+            9 => ErrorCode::BadRequest,
+            10 => ErrorCode::UnitUnreachable,
+            c => ErrorCode::Other(c),
+        }
+    }
+}
+
+/// The fixed part of every message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Wire version ([`WIRE_VERSION`]).
+    pub version: u16,
+    /// Request id, echoed by the reply.
+    pub request_id: u32,
+    /// The job token (epoch-stamped).
+    pub token: String,
+}
+
+/// The column block of a message carrying bulk data: `n` samples and, per column, its spec and
+/// the byte length of its values. The buffers follow the header frame, column by column: a ragged
+/// column sends `(n + 1) × u64` row offsets, then its values; a fixed column only its values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// Samples.
+    pub n: u32,
+    /// Columns: spec and value bytes.
+    pub columns: Vec<(FieldSpec, u64)>,
+}
+
+impl Block {
+    /// Lengths of the buffer frames that follow, in order.
+    pub fn buffer_lens(&self) -> Vec<u64> {
+        let mut v = Vec::with_capacity(self.columns.len() * 2);
+        for (spec, values) in &self.columns {
+            if spec.ragged {
+                v.push((self.n as u64 + 1) * 8);
+            }
+            v.push(*values);
+        }
+        v
+    }
+
+    /// Total value bytes.
+    pub fn value_bytes(&self) -> u64 {
+        self.columns.iter().map(|(_, v)| *v).fold(0u64, u64::saturating_add)
+    }
+}
+
+/// The body of a message. Requests first (controller, then storage, then fan-out), then replies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Body {
+    /// Controller: record samples (put) or fields (write-back) that a storage unit now holds.
+    Register(BatchMeta),
+    /// Controller: claim up to `n` ready samples for a consumer group.
+    Claim {
+        /// Partition.
+        partition: String,
+        /// Consumer group (each sample is handed out once per group).
+        group: String,
+        /// Most samples to hand out.
+        n: u32,
+        /// Fields a sample must have to be ready.
+        required: Vec<String>,
+    },
+    /// Controller: acknowledge claimed samples (they are done for the group).
+    Ack {
+        /// Partition.
+        partition: String,
+        /// Consumer group.
+        group: String,
+        /// The claim's id.
+        claim_id: u64,
+        /// Keys acknowledged.
+        keys: Vec<String>,
+    },
+    /// Controller: drop a partition's metadata and its bytes in every storage unit.
+    Clear {
+        /// Partition.
+        partition: String,
+    },
+    /// Controller: a client could not reach a storage unit.
+    ReportLost {
+        /// Unit.
+        unit: u32,
+        /// What the client saw.
+        reason: String,
+    },
+    /// Storage: store the block's samples (buffers follow).
+    Put {
+        /// Partition.
+        partition: String,
+        /// Keys, one per sample of the block.
+        keys: Vec<String>,
+        /// Columns.
+        block: Block,
+    },
+    /// Storage: send these fields of these samples.
+    Get {
+        /// Partition.
+        partition: String,
+        /// Keys.
+        keys: Vec<String>,
+        /// Fields.
+        fields: Vec<String>,
+    },
+    /// Storage: drop a partition.
+    ClearUnit {
+        /// Partition.
+        partition: String,
+    },
+    /// Storage: liveness and fill level.
+    Ping,
+    /// Fan-out: a whole batch, metadata then columns (buffers follow).
+    Fanout {
+        /// Batch metadata.
+        meta: BatchMeta,
+        /// Columns.
+        block: Block,
+    },
+    /// Reply: done, nothing to say.
+    Done,
+    /// Reply to [`Body::Claim`].
+    Claimed {
+        /// Id to acknowledge with.
+        claim_id: u64,
+        /// Lease in milliseconds.
+        lease_ms: u64,
+        /// Claimed samples (possibly none).
+        meta: BatchMeta,
+    },
+    /// Reply to [`Body::Ack`].
+    Acked {
+        /// Keys acknowledged.
+        acked: u32,
+        /// Keys whose lease had expired and that another claim now holds.
+        stale: Vec<String>,
+    },
+    /// Reply to [`Body::Clear`] / [`Body::ClearUnit`].
+    Cleared {
+        /// Bytes freed.
+        freed: u64,
+        /// Storage units cleared.
+        units: u32,
+    },
+    /// Reply to [`Body::Put`].
+    Stored {
+        /// Value bytes stored.
+        bytes: u64,
+    },
+    /// Reply to [`Body::Get`] (buffers follow).
+    Data {
+        /// Columns.
+        block: Block,
+    },
+    /// Reply to [`Body::Ping`].
+    Pong {
+        /// Unit id.
+        unit: u32,
+        /// Bytes held.
+        used: u64,
+        /// Capacity.
+        capacity: u64,
+    },
+    /// Reply: the request failed.
+    Error {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// Human-readable reason, naming the field and the fix.
+        message: String,
+    },
+}
+
+impl Body {
+    /// Wire kind byte.
+    pub fn kind(&self) -> u8 {
+        match self {
+            Body::Register(_) => 1,
+            Body::Claim { .. } => 2,
+            Body::Ack { .. } => 3,
+            Body::Clear { .. } => 4,
+            Body::ReportLost { .. } => 5,
+            Body::Put { .. } => 16,
+            Body::Get { .. } => 17,
+            Body::ClearUnit { .. } => 18,
+            Body::Ping => 19,
+            Body::Fanout { .. } => 32,
+            Body::Done => 64,
+            Body::Claimed { .. } => 65,
+            Body::Acked { .. } => 66,
+            Body::Cleared { .. } => 67,
+            Body::Stored { .. } => 68,
+            Body::Data { .. } => 69,
+            Body::Pong { .. } => 70,
+            Body::Error { .. } => 127,
+        }
+    }
+
+    /// The column block whose buffers follow this message, if any.
+    pub fn block(&self) -> Option<&Block> {
+        match self {
+            Body::Put { block, .. } | Body::Fanout { block, .. } | Body::Data { block } => Some(block),
+            _ => None,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding.
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        self.u32(s.len() as u32);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+    fn strs(&mut self, v: &[String]) {
+        self.u32(v.len() as u32);
+        for s in v {
+            self.str(s);
+        }
+    }
+    fn spec(&mut self, f: &FieldSpec) {
+        self.str(&f.name);
+        self.u8(f.dtype.code());
+        self.u8(f.ragged as u8);
+        self.u8(f.inner.len() as u8);
+        for &d in &f.inner {
+            self.u32(d);
+        }
+    }
+    fn meta(&mut self, m: &BatchMeta) {
+        self.str(&m.partition);
+        self.u32(m.schema.len() as u32);
+        for f in &m.schema {
+            self.spec(f);
+        }
+        self.u32(m.samples.len() as u32);
+        for s in &m.samples {
+            self.str(&s.key);
+            self.u32(s.unit);
+            self.u32(s.tokens);
+            for i in 0..m.schema.len() {
+                self.u32(s.rows.get(i).copied().unwrap_or(ABSENT));
+            }
+            self.u32(s.tags.len() as u32);
+            for (k, v) in &s.tags {
+                self.str(k);
+                self.str(v);
+            }
+        }
+    }
+    fn block(&mut self, b: &Block) {
+        self.u32(b.n);
+        self.u32(b.columns.len() as u32);
+        for (spec, len) in &b.columns {
+            self.spec(spec);
+            self.u64(*len);
+        }
+    }
+}
+
+/// Encodes a header frame's payload (without its u32 length prefix).
+pub fn encode(header: &Header, body: &Body) -> Vec<u8> {
+    let mut w = Writer(Vec::with_capacity(64));
+    w.u16(header.version);
+    w.u8(body.kind());
+    w.u8(0);
+    w.u32(header.request_id);
+    w.str(&header.token);
+    match body {
+        Body::Register(m) => w.meta(m),
+        Body::Claim { partition, group, n, required } => {
+            w.str(partition);
+            w.str(group);
+            w.u32(*n);
+            w.strs(required);
+        }
+        Body::Ack { partition, group, claim_id, keys } => {
+            w.str(partition);
+            w.str(group);
+            w.u64(*claim_id);
+            w.strs(keys);
+        }
+        Body::Clear { partition } | Body::ClearUnit { partition } => w.str(partition),
+        Body::ReportLost { unit, reason } => {
+            w.u32(*unit);
+            w.str(reason);
+        }
+        Body::Put { partition, keys, block } => {
+            w.str(partition);
+            w.strs(keys);
+            w.block(block);
+        }
+        Body::Get { partition, keys, fields } => {
+            w.str(partition);
+            w.strs(keys);
+            w.strs(fields);
+        }
+        Body::Ping | Body::Done => {}
+        Body::Fanout { meta, block } => {
+            w.meta(meta);
+            w.block(block);
+        }
+        Body::Claimed { claim_id, lease_ms, meta } => {
+            w.u64(*claim_id);
+            w.u64(*lease_ms);
+            w.meta(meta);
+        }
+        Body::Acked { acked, stale } => {
+            w.u32(*acked);
+            w.strs(stale);
+        }
+        Body::Cleared { freed, units } => {
+            w.u64(*freed);
+            w.u32(*units);
+        }
+        Body::Stored { bytes } => w.u64(*bytes),
+        Body::Data { block } => w.block(block),
+        Body::Pong { unit, used, capacity } => {
+            w.u32(*unit);
+            w.u64(*used);
+            w.u64(*capacity);
+        }
+        Body::Error { code, message } => {
+            w.u16(code.code());
+            w.str(message);
+        }
+    }
+    w.0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding.
+
+struct Reader<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn err(&self, what: impl Into<String>) -> CodecError {
+        CodecError { offset: self.pos, what: what.into() }
+    }
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], CodecError> {
+        if self.b.len() - self.pos < n {
+            return Err(self.err(format!("truncated inside {what} (needs {n} bytes, {} left)", self.b.len() - self.pos)));
+        }
+        let s = &self.b[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    fn u8(&mut self, what: &str) -> Result<u8, CodecError> {
+        Ok(self.take(1, what)?[0])
+    }
+    fn u16(&mut self, what: &str) -> Result<u16, CodecError> {
+        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))
+    }
+    fn u32(&mut self, what: &str) -> Result<u32, CodecError> {
+        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64, CodecError> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+    }
+    fn str(&mut self, what: &str) -> Result<String, CodecError> {
+        let n = self.u32(what)? as usize;
+        let at = self.pos;
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec()).map_err(|_| CodecError { offset: at, what: format!("{what} is not UTF-8") })
+    }
+    /// A count of items each at least `min_size` bytes, refused if the frame cannot hold them.
+    fn count(&mut self, min_size: usize, what: &str) -> Result<usize, CodecError> {
+        let n = self.u32(what)? as usize;
+        let left = self.b.len() - self.pos;
+        if n.saturating_mul(min_size) > left {
+            return Err(self.err(format!("{what}: {n} items cannot fit in the {left} bytes left")));
+        }
+        Ok(n)
+    }
+    fn strs(&mut self, what: &str) -> Result<Vec<String>, CodecError> {
+        let n = self.count(4, what)?;
+        (0..n).map(|_| self.str(what)).collect()
+    }
+    fn spec(&mut self) -> Result<FieldSpec, CodecError> {
+        let name = self.str("field name")?;
+        let code = self.u8("dtype")?;
+        let dtype = DType::from_code(code).ok_or_else(|| self.err(format!("field `{name}`: unknown dtype code {code}")))?;
+        let ragged = match self.u8("ragged flag")? {
+            0 => false,
+            1 => true,
+            x => return Err(self.err(format!("field `{name}`: ragged flag {x} is neither 0 nor 1"))),
+        };
+        let ndim = self.u8("ndim")? as usize;
+        if ndim > MAX_NDIM {
+            return Err(self.err(format!("field `{name}`: {ndim} row dimensions, at most {MAX_NDIM}")));
+        }
+        let inner = (0..ndim).map(|_| self.u32("row dimension")).collect::<Result<Vec<_>, _>>()?;
+        let spec = FieldSpec { name, dtype, ragged, inner };
+        match spec.row_bytes() {
+            Some(b) if b > 0 && b <= u32::MAX as u64 => Ok(spec),
+            _ => Err(self.err(format!("field `{}`: row shape {:?} is empty or too large", spec.name, spec.inner))),
+        }
+    }
+    fn meta(&mut self) -> Result<BatchMeta, CodecError> {
+        let partition = self.str("partition")?;
+        let nf = self.count(7, "schema")?;
+        let schema = (0..nf).map(|_| self.spec()).collect::<Result<Vec<_>, _>>()?;
+        let min_sample = 4 + 4 + 4 + 4 * nf + 4;
+        let ns = self.count(min_sample, "samples")?;
+        let mut samples = Vec::with_capacity(ns);
+        for _ in 0..ns {
+            let key = self.str("sample key")?;
+            let unit = self.u32("unit")?;
+            let tokens = self.u32("tokens")?;
+            let rows = (0..nf).map(|_| self.u32("rows")).collect::<Result<Vec<_>, _>>()?;
+            let nt = self.count(8, "tags")?;
+            let tags =
+                (0..nt).map(|_| Ok((self.str("tag name")?, self.str("tag value")?))).collect::<Result<Vec<_>, _>>()?;
+            samples.push(SampleMeta { key, unit, tokens, rows, tags });
+        }
+        Ok(BatchMeta { partition, schema, samples })
+    }
+    fn block(&mut self) -> Result<Block, CodecError> {
+        let n = self.u32("sample count")?;
+        let nc = self.count(15, "columns")?;
+        let mut columns = Vec::with_capacity(nc);
+        for _ in 0..nc {
+            let spec = self.spec()?;
+            let len = self.u64("value length")?;
+            let row = spec.row_bytes().unwrap_or(1);
+            if spec.ragged {
+                if len % row != 0 {
+                    return Err(self.err(format!(
+                        "field `{}`: {len} value bytes are not a whole number of {row}-byte rows",
+                        spec.name
+                    )));
+                }
+            } else if (n as u64).checked_mul(row) != Some(len) {
+                return Err(self.err(format!(
+                    "field `{}`: fixed column of {n} samples × {row} bytes declares {len} bytes",
+                    spec.name
+                )));
+            }
+            columns.push((spec, len));
+        }
+        Ok(Block { n, columns })
+    }
+}
+
+/// Decodes a header frame's payload. Never panics; every error says where and what.
+pub fn decode(frame: &[u8]) -> Result<(Header, Body), CodecError> {
+    let mut r = Reader { b: frame, pos: 0 };
+    let version = r.u16("version")?;
+    if version != WIRE_VERSION {
+        return Err(CodecError {
+            offset: 0,
+            what: format!("wire version {version}, this build speaks {WIRE_VERSION}; run matching worker images"),
+        });
+    }
+    let kind = r.u8("kind")?;
+    let _flags = r.u8("flags")?;
+    let request_id = r.u32("request id")?;
+    let token = r.str("token")?;
+    let header = Header { version, request_id, token };
+    let body = match kind {
+        1 => Body::Register(r.meta()?),
+        2 => Body::Claim {
+            partition: r.str("partition")?,
+            group: r.str("group")?,
+            n: r.u32("n")?,
+            required: r.strs("required fields")?,
+        },
+        3 => Body::Ack {
+            partition: r.str("partition")?,
+            group: r.str("group")?,
+            claim_id: r.u64("claim id")?,
+            keys: r.strs("keys")?,
+        },
+        4 => Body::Clear { partition: r.str("partition")? },
+        5 => Body::ReportLost { unit: r.u32("unit")?, reason: r.str("reason")? },
+        16 => {
+            let partition = r.str("partition")?;
+            let keys = r.strs("keys")?;
+            let block = r.block()?;
+            if block.n as usize != keys.len() {
+                return Err(r.err(format!("put of {} keys carries a block of {} samples", keys.len(), block.n)));
+            }
+            Body::Put { partition, keys, block }
+        }
+        17 => Body::Get { partition: r.str("partition")?, keys: r.strs("keys")?, fields: r.strs("fields")? },
+        18 => Body::ClearUnit { partition: r.str("partition")? },
+        19 => Body::Ping,
+        32 => {
+            let meta = r.meta()?;
+            let block = r.block()?;
+            if block.n as usize != meta.samples.len() {
+                return Err(r.err(format!(
+                    "fan-out of {} samples carries a block of {} samples",
+                    meta.samples.len(),
+                    block.n
+                )));
+            }
+            Body::Fanout { meta, block }
+        }
+        64 => Body::Done,
+        65 => Body::Claimed { claim_id: r.u64("claim id")?, lease_ms: r.u64("lease")?, meta: r.meta()? },
+        66 => Body::Acked { acked: r.u32("acked")?, stale: r.strs("stale keys")? },
+        67 => Body::Cleared { freed: r.u64("freed")?, units: r.u32("units")? },
+        68 => Body::Stored { bytes: r.u64("bytes")? },
+        69 => Body::Data { block: r.block()? },
+        70 => Body::Pong { unit: r.u32("unit")?, used: r.u64("used")?, capacity: r.u64("capacity")? },
+        127 => Body::Error { code: ErrorCode::from_code(r.u16("error code")?), message: r.str("message")? },
+        k => return Err(CodecError { offset: 2, what: format!("unknown message kind {k}") }),
+    };
+    if r.pos != frame.len() {
+        return Err(r.err(format!("{} trailing bytes after the body", frame.len() - r.pos)));
+    }
+    Ok((header, body))
+}
+
+/// Checks a ragged column's offsets buffer (u64 LE, `n + 1` entries) against its declared value
+/// length and returns the offsets. Starts at 0, never decreases, ends at `values / row_bytes`.
+pub fn decode_offsets(field: &str, buf: &[u8], n: u32, values: u64, row_bytes: u64) -> Result<Vec<u64>, CodecError> {
+    let err = |what: String| CodecError { offset: 0, what: format!("field `{field}` offsets: {what}") };
+    if buf.len() as u64 != (n as u64 + 1) * 8 {
+        return Err(err(format!("{} bytes where {} samples need {}", buf.len(), n, (n as u64 + 1) * 8)));
+    }
+    let offsets: Vec<u64> = buf.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    if offsets[0] != 0 {
+        return Err(err(format!("start at {} instead of 0", offsets[0])));
+    }
+    if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0] || w[1] - w[0] > u32::MAX as u64) {
+        return Err(err(format!("decrease (or jump past 2^32 rows) between sample {i} and {}", i + 1)));
+    }
+    let rows = offsets[n as usize];
+    if rows.checked_mul(row_bytes) != Some(values) {
+        return Err(err(format!("end at {rows} rows of {row_bytes} bytes but {values} value bytes were declared")));
+    }
+    Ok(offsets)
+}
+
+/// Encodes offsets as u64 LE.
+pub fn encode_offsets(offsets: &[u64]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(offsets.len() * 8);
+    for o in offsets {
+        v.extend_from_slice(&o.to_le_bytes());
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stream I/O.
+
+/// Most slices handed to one `writev` (the kernel's IOV_MAX is 1024).
+const MAX_IOV: usize = 512;
+
+/// Writes every slice with vectored writes, in order, without copying them together.
+pub async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    // Empty slices would make a zero-length write look like a closed socket.
+    while !slices.is_empty() {
+        let window = slices.len().min(MAX_IOV);
+        let n = w.write_vectored(&slices[..window]).await?;
+        if n == 0 {
+            let pending: usize = slices[..window].iter().map(|s| s.len()).sum();
+            if pending == 0 {
+                // Only empty slices in this window: skip them.
+                slices = &mut slices[window..];
+                continue;
+            }
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+/// One outgoing message: its header frame and its buffer frames, each buffer made of any number
+/// of borrowed parts (e.g. the stored bytes of every sample), written with vectored writes.
+pub struct Outgoing<'a> {
+    frame: Vec<u8>,
+    buffers: Vec<Vec<&'a [u8]>>,
+}
+
+impl<'a> Outgoing<'a> {
+    /// A message without buffers.
+    pub fn new(header: &Header, body: &Body) -> Outgoing<'a> {
+        Outgoing { frame: encode(header, body), buffers: Vec::new() }
+    }
+
+    /// Appends one buffer frame made of `parts`.
+    pub fn buffer(&mut self, parts: Vec<&'a [u8]>) {
+        self.buffers.push(parts);
+    }
+
+    /// Writes the message.
+    pub async fn write<W: AsyncWrite + Unpin>(&self, w: &mut W) -> std::io::Result<()> {
+        let frame_len = (self.frame.len() as u32).to_le_bytes();
+        let buf_lens: Vec<[u8; 8]> =
+            self.buffers.iter().map(|p| (p.iter().map(|s| s.len() as u64).sum::<u64>()).to_le_bytes()).collect();
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 + self.buffers.iter().map(|b| b.len() + 1).sum::<usize>());
+        slices.push(IoSlice::new(&frame_len));
+        slices.push(IoSlice::new(&self.frame));
+        for (parts, len) in self.buffers.iter().zip(&buf_lens) {
+            slices.push(IoSlice::new(len));
+            slices.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
+        }
+        write_all_vectored(w, &mut slices).await?;
+        w.flush().await
+    }
+}
+
+/// Writes a message without buffers.
+pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, header: &Header, body: &Body) -> std::io::Result<()> {
+    Outgoing::new(header, body).write(w).await
+}
+
+/// Failure reading a message from a stream.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The stream failed or closed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The frame was malformed (the stream may be out of step: close it after replying).
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+}
+
+/// Reads one header frame into `buf` and decodes it.
+pub async fn read_message<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> Result<(Header, Body), ReadError> {
+    crate::net::read_frame(r, buf, MAX_HEADER).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::InvalidData {
+            ReadError::Codec(CodecError { offset: 0, what: e.to_string() })
+        } else {
+            ReadError::Io(e)
+        }
+    })?;
+    Ok(decode(buf)?)
+}
+
+async fn read_len<R: AsyncReadExt + Unpin>(r: &mut R, expected: u64, what: &str) -> Result<(), ReadError> {
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len).await?;
+    let len = u64::from_le_bytes(len);
+    if len != expected {
+        return Err(ReadError::Codec(CodecError {
+            offset: 0,
+            what: format!("buffer frame for {what} has {len} bytes where the header declared {expected}"),
+        }));
+    }
+    Ok(())
+}
+
+/// Reads one buffer frame straight into `dst`, whose length is the declared one.
+pub async fn read_buffer_into<R: AsyncReadExt + Unpin>(r: &mut R, dst: &mut [u8], what: &str) -> Result<(), ReadError> {
+    read_len(r, dst.len() as u64, what).await?;
+    r.read_exact(dst).await?;
+    Ok(())
+}
+
+/// Reads one buffer frame of the declared length into a new vector. The caller bounds `expected`
+/// (a storage unit by its capacity), so a lying header cannot make it allocate without limit.
+pub async fn read_buffer<R: AsyncReadExt + Unpin>(r: &mut R, expected: u64, what: &str) -> Result<Vec<u8>, ReadError> {
+    read_len(r, expected, what).await?;
+    let mut v = vec![0u8; expected as usize];
+    r.read_exact(&mut v).await?;
+    Ok(v)
+}
+
+/// Reads and discards the buffer frames of `block` (after refusing a request), keeping the stream
+/// in step. Stops at the first frame whose length disagrees.
+pub async fn skip_buffers<R: AsyncReadExt + Unpin>(r: &mut R, block: &Block) -> Result<(), ReadError> {
+    for len in block.buffer_lens() {
+        read_len(r, len, "a refused request").await?;
+        let copied = tokio::io::copy(&mut (&mut *r).take(len), &mut tokio::io::sink()).await?;
+        if copied != len {
+            return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> BatchMeta {
+        BatchMeta {
+            partition: "step-1".into(),
+            schema: vec![FieldSpec::ragged("ids", DType::I64), FieldSpec::fixed("reward", DType::F32, vec![])],
+            samples: vec![
+                SampleMeta { key: "a_g0".into(), unit: 0, tokens: 5, rows: vec![5, 1], tags: vec![] },
+                SampleMeta {
+                    key: "a_g1".into(),
+                    unit: 1,
+                    tokens: 2,
+                    rows: vec![2, ABSENT],
+                    tags: vec![("uid".into(), "a".into())],
+                },
+            ],
+        }
+    }
+
+    pub(crate) fn every_body() -> Vec<Body> {
+        let block = Block {
+            n: 2,
+            columns: vec![(FieldSpec::ragged("ids", DType::I64), 56), (FieldSpec::fixed("r", DType::F32, vec![2]), 16)],
+        };
+        vec![
+            Body::Register(meta()),
+            Body::Claim { partition: "p".into(), group: "g".into(), n: 3, required: vec!["ids".into()] },
+            Body::Ack { partition: "p".into(), group: "g".into(), claim_id: 9, keys: vec!["k".into()] },
+            Body::Clear { partition: "p".into() },
+            Body::ReportLost { unit: 3, reason: "closed".into() },
+            Body::Put { partition: "p".into(), keys: vec!["a".into(), "b".into()], block: block.clone() },
+            Body::Get { partition: "p".into(), keys: vec!["a".into()], fields: vec!["ids".into()] },
+            Body::ClearUnit { partition: "p".into() },
+            Body::Ping,
+            Body::Fanout { meta: meta(), block: block.clone() },
+            Body::Done,
+            Body::Claimed { claim_id: 1, lease_ms: 30_000, meta: meta() },
+            Body::Acked { acked: 2, stale: vec!["x".into()] },
+            Body::Cleared { freed: 10, units: 2 },
+            Body::Stored { bytes: 72 },
+            Body::Data { block },
+            Body::Pong { unit: 1, used: 2, capacity: 3 },
+            Body::Error { code: ErrorCode::CapacityTimeout, message: "full".into() },
+        ]
+    }
+
+    #[test]
+    fn every_body_round_trips_and_every_truncation_is_an_error() {
+        for body in every_body() {
+            let h = Header { version: WIRE_VERSION, request_id: 7, token: "e0-abc".into() };
+            let frame = encode(&h, &body);
+            assert_eq!(decode(&frame).unwrap(), (h.clone(), body.clone()));
+            for cut in 0..frame.len() {
+                assert!(decode(&frame[..cut]).is_err(), "{body:?} cut at {cut}");
+            }
+            let mut longer = frame.clone();
+            longer.push(0);
+            assert!(decode(&longer).is_err());
+        }
+    }
+
+    #[test]
+    fn another_version_is_refused_before_the_body() {
+        let mut frame = encode(&Header { version: WIRE_VERSION, request_id: 0, token: "t".into() }, &Body::Ping);
+        frame[0] = 9;
+        let e = decode(&frame).unwrap_err();
+        assert!(e.what.contains("wire version 9"), "{e}");
+    }
+
+    #[test]
+    fn offsets_are_checked() {
+        let ok = encode_offsets(&[0, 2, 5]);
+        assert_eq!(decode_offsets("ids", &ok, 2, 40, 8).unwrap(), vec![0, 2, 5]);
+        assert!(decode_offsets("ids", &ok, 2, 48, 8).is_err());
+        assert!(decode_offsets("ids", &encode_offsets(&[1, 2, 5]), 2, 32, 8).is_err());
+        assert!(decode_offsets("ids", &encode_offsets(&[0, 6, 5]), 2, 40, 8).is_err());
+        assert!(decode_offsets("ids", &ok, 3, 40, 8).is_err());
+    }
+}
