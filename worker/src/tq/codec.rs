@@ -163,6 +163,8 @@ pub enum Body {
         group: String,
         /// Most samples to hand out.
         n: u32,
+        /// Fewest: if fewer are ready, hand out none (all-or-nothing claims of a whole step).
+        min: u32,
         /// Fields a sample must have to be ready.
         required: Vec<String>,
     },
@@ -386,10 +388,11 @@ pub fn encode(header: &Header, body: &Body) -> Vec<u8> {
     w.str(&header.token);
     match body {
         Body::Register(m) => w.meta(m),
-        Body::Claim { partition, group, n, required } => {
+        Body::Claim { partition, group, n, min, required } => {
             w.str(partition);
             w.str(group);
             w.u32(*n);
+            w.u32(*min);
             w.strs(required);
         }
         Body::Ack { partition, group, claim_id, keys } => {
@@ -460,7 +463,9 @@ impl<'a> Reader<'a> {
     }
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], CodecError> {
         if self.b.len() - self.pos < n {
-            return Err(self.err(format!("truncated inside {what} (needs {n} bytes, {} left)", self.b.len() - self.pos)));
+            return Err(
+                self.err(format!("truncated inside {what} (needs {n} bytes, {} left)", self.b.len() - self.pos))
+            );
         }
         let s = &self.b[self.pos..self.pos + n];
         self.pos += n;
@@ -500,7 +505,8 @@ impl<'a> Reader<'a> {
     fn spec(&mut self) -> Result<FieldSpec, CodecError> {
         let name = self.str("field name")?;
         let code = self.u8("dtype")?;
-        let dtype = DType::from_code(code).ok_or_else(|| self.err(format!("field `{name}`: unknown dtype code {code}")))?;
+        let dtype =
+            DType::from_code(code).ok_or_else(|| self.err(format!("field `{name}`: unknown dtype code {code}")))?;
         let ragged = match self.u8("ragged flag")? {
             0 => false,
             1 => true,
@@ -584,6 +590,7 @@ pub fn decode(frame: &[u8]) -> Result<(Header, Body), CodecError> {
             partition: r.str("partition")?,
             group: r.str("group")?,
             n: r.u32("n")?,
+            min: r.u32("min")?,
             required: r.strs("required fields")?,
         },
         3 => Body::Ack {
@@ -671,7 +678,10 @@ pub fn encode_offsets(offsets: &[u64]) -> Vec<u8> {
 const MAX_IOV: usize = 512;
 
 /// Writes every slice with vectored writes, in order, without copying them together.
-pub async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut slices: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
     // Empty slices would make a zero-length write look like a closed socket.
     while !slices.is_empty() {
         let window = slices.len().min(MAX_IOV);
@@ -713,7 +723,8 @@ impl<'a> Outgoing<'a> {
         let frame_len = (self.frame.len() as u32).to_le_bytes();
         let buf_lens: Vec<[u8; 8]> =
             self.buffers.iter().map(|p| (p.iter().map(|s| s.len() as u64).sum::<u64>()).to_le_bytes()).collect();
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 + self.buffers.iter().map(|b| b.len() + 1).sum::<usize>());
+        let mut slices: Vec<IoSlice<'_>> =
+            Vec::with_capacity(2 + self.buffers.iter().map(|b| b.len() + 1).sum::<usize>());
         slices.push(IoSlice::new(&frame_len));
         slices.push(IoSlice::new(&self.frame));
         for (parts, len) in self.buffers.iter().zip(&buf_lens) {
@@ -823,7 +834,7 @@ mod tests {
         };
         vec![
             Body::Register(meta()),
-            Body::Claim { partition: "p".into(), group: "g".into(), n: 3, required: vec!["ids".into()] },
+            Body::Claim { partition: "p".into(), group: "g".into(), n: 3, min: 1, required: vec!["ids".into()] },
             Body::Ack { partition: "p".into(), group: "g".into(), claim_id: 9, keys: vec!["k".into()] },
             Body::Clear { partition: "p".into() },
             Body::ReportLost { unit: 3, reason: "closed".into() },

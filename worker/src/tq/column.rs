@@ -249,10 +249,7 @@ impl Column {
             }
             let rows = offsets[len];
             if rows.checked_mul(row_bytes as u64) != Some(values.len() as u64) {
-                return Err(err(format!(
-                    "{rows} rows of {row_bytes} bytes do not match {} value bytes",
-                    values.len()
-                )));
+                return Err(err(format!("{rows} rows of {row_bytes} bytes do not match {} value bytes", values.len())));
             }
         } else {
             if !offsets.is_empty() {
@@ -440,8 +437,7 @@ mod tests {
         assert_eq!(col.sample_as::<i64>(1).unwrap(), Vec::<i64>::new());
         assert_eq!(col.rows(2), 1);
         assert!(col.sample_as::<f32>(0).is_err());
-        let again =
-            Column::from_parts(col.spec().clone(), 3, col.values().clone(), col.offsets().to_vec()).unwrap();
+        let again = Column::from_parts(col.spec().clone(), 3, col.values().clone(), col.offsets().to_vec()).unwrap();
         assert_eq!(again, col);
     }
 
