@@ -4,9 +4,13 @@
 //! One module per concern; plain data in between; no global state.
 
 pub mod bench;
+pub mod control;
+pub mod digest;
 pub mod gpu;
 pub mod net;
 pub mod proc;
 pub mod refit;
+pub mod supervisor;
 pub mod tq;
 pub mod transport;
+pub mod workload;

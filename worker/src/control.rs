@@ -1,0 +1,531 @@
+//! The control plane: coordinator ↔ rank messages (step start, assignments, done, versions).
+//!
+//! Every rank holds one TCP connection to the coordinator's control port, opened with the shared
+//! token handshake ([`crate::net`], magic `RCTL`). The coordinator sends [`Envelope`]s; a rank
+//! answers each with an immediate [`Reply::Ack`] (before doing the work) and later a
+//! [`Reply::Done`] or [`Reply::Failed`]. The acknowledgment's round trip is the *dispatch
+//! latency*: the cost of the control plane per message, reported by the summary (p50/p99). Frames
+//! are small JSON documents; bulk data never travels here.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::net::{self, Hello, NetError};
+
+/// Protocol magic of the control channel.
+pub const MAGIC: [u8; 4] = *b"RCTL";
+/// Protocol version.
+pub const VERSION: u16 = 1;
+
+/// What the coordinator asks a rank to do.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// Generation producers: generate the step's rollouts and put them into the transfer queue.
+    Generate {
+        /// Step.
+        step: u32,
+    },
+    /// Trainer ranks: train on a batch. A data-parallel leader gets its shard's batch to fetch
+    /// (and fan out); followers get `None` and receive the batch from their leader.
+    Train {
+        /// Step.
+        step: u32,
+        /// The samples assigned to this data-parallel shard (JSON of the transfer queue's
+        /// batch metadata), for the rank that fetches.
+        batch: Option<serde_json::Value>,
+    },
+    /// Trainer ranks: apply the step's update (the new weights derive from `seed`).
+    Update {
+        /// Step.
+        step: u32,
+        /// Seed of the new weights (derived from the step and the batch digests).
+        seed: u64,
+    },
+    /// Refit group members: move weights of `version` from senders to receivers. Receivers check
+    /// what they received against `expected` (the senders' digests summed).
+    Refit {
+        /// Weight version (the step).
+        version: u64,
+        /// Expected digest of everything a receiver receives.
+        expected: u64,
+    },
+    /// Stop: the job is done.
+    Shutdown,
+}
+
+impl Command {
+    /// Short name for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Command::Generate { .. } => "generate",
+            Command::Train { .. } => "train",
+            Command::Update { .. } => "update",
+            Command::Refit { .. } => "refit",
+            Command::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// A command with its sequence number and send time.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Envelope {
+    /// Sequence number, unique per connection.
+    pub seq: u64,
+    /// Coordinator's send time (nanoseconds since its start), echoed in the ack.
+    pub sent_ns: u64,
+    /// The command.
+    pub command: Command,
+}
+
+/// What a rank measured and produced while executing a command.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// Seconds the rank was busy with the command (its data and compute time).
+    pub busy_secs: f64,
+    /// Bytes the command moved at this rank (put, fetched, refit bytes received...).
+    pub bytes: u64,
+    /// Samples handled.
+    pub samples: u64,
+    /// Tokens handled.
+    pub tokens: u64,
+    /// A digest of what was produced or received.
+    pub digest: Option<u64>,
+    /// Weight version now held (generation ranks after a refit).
+    pub version: Option<u64>,
+    /// Named phase timings in seconds (e.g. refit pack/transfer/unpack/wait).
+    #[serde(default)]
+    pub phases: BTreeMap<String, f64>,
+    /// Named byte counts (e.g. fetched, written back).
+    #[serde(default)]
+    pub counters: BTreeMap<String, u64>,
+}
+
+/// A rank's message to the coordinator.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Reply {
+    /// The command arrived (sent before executing it).
+    Ack {
+        /// Its sequence number.
+        seq: u64,
+        /// Its `sent_ns`, echoed.
+        sent_ns: u64,
+    },
+    /// The command finished.
+    Done {
+        /// Its sequence number.
+        seq: u64,
+        /// What the rank measured.
+        report: Report,
+    },
+    /// The command failed.
+    Failed {
+        /// Its sequence number.
+        seq: u64,
+        /// Why, naming peers and phases.
+        error: String,
+    },
+}
+
+/// Errors of the control plane.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// Transport trouble with a rank.
+    #[error("control channel of {rank}: {source}")]
+    Net {
+        /// Rank name.
+        rank: String,
+        /// Cause.
+        source: NetError,
+    },
+    /// A rank reported a failure.
+    #[error("{rank} failed {command}: {error}")]
+    RankFailed {
+        /// Rank name.
+        rank: String,
+        /// Command name.
+        command: String,
+        /// Its error.
+        error: String,
+    },
+    /// A rank's connection closed.
+    #[error("{rank} disconnected ({reason}); it probably died — see its log")]
+    Lost {
+        /// Rank name.
+        rank: String,
+        /// What was seen.
+        reason: String,
+    },
+    /// A wait ran past its deadline.
+    #[error("timed out after {secs:.1}s waiting for {waiting} to finish {command}")]
+    Timeout {
+        /// Command name.
+        command: String,
+        /// Ranks still pending.
+        waiting: String,
+        /// Seconds waited.
+        secs: f64,
+    },
+    /// Not every expected rank connected.
+    #[error("ranks never connected to the coordinator: {0}")]
+    Missing(String),
+    /// A malformed message.
+    #[error("malformed control message from {rank}: {detail}")]
+    Malformed {
+        /// Rank name.
+        rank: String,
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+enum Event {
+    Reply { rank: usize, reply: Reply, at: Instant },
+    Lost { rank: usize, reason: String },
+}
+
+/// The coordinator's side: one connection per rank.
+pub struct ControlServer {
+    names: Vec<String>,
+    index: HashMap<String, usize>,
+    writers: Vec<OwnedWriteHalf>,
+    events: mpsc::UnboundedReceiver<Event>,
+    next_seq: u64,
+    epoch_start: Instant,
+    /// Round trips of every acknowledged command (the dispatch latency).
+    pub dispatch: Vec<Duration>,
+    pending_cmd: HashMap<(usize, u64), &'static str>,
+    buf: Vec<u8>,
+}
+
+impl ControlServer {
+    /// Accepts a connection from every rank in `expected` (process names), checking the token.
+    pub async fn accept_all(
+        listener: &TcpListener,
+        expected: &[String],
+        token: &str,
+        deadline: Instant,
+    ) -> Result<ControlServer, ControlError> {
+        let index: HashMap<String, usize> = expected.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
+        let mut streams: Vec<Option<TcpStream>> = (0..expected.len()).map(|_| None).collect();
+        let mut connected = 0;
+        while connected < expected.len() {
+            let accepted = tokio::time::timeout_at(deadline, listener.accept()).await;
+            let mut stream = match accepted {
+                Ok(Ok((s, _))) => s,
+                Ok(Err(e)) => {
+                    return Err(ControlError::Net {
+                        rank: "?".into(),
+                        source: NetError::io("accepting rank connections", "control listener", e),
+                    });
+                }
+                Err(_) => {
+                    let missing: Vec<&str> = expected
+                        .iter()
+                        .zip(&streams)
+                        .filter(|(_, s)| s.is_none())
+                        .map(|(n, _)| n.as_str())
+                        .collect();
+                    return Err(ControlError::Missing(missing.join(", ")));
+                }
+            };
+            net::tune(&stream);
+            let hello = net::accept_hello(&mut stream, MAGIC, VERSION, token, deadline, |h| {
+                if index.contains_key(&h.peer) { Ok(()) } else { Err(format!("`{}` is not a rank of this job", h.peer)) }
+            })
+            .await;
+            // A refused peer (stale epoch, other job) is logged and ignored; the rest still join.
+            let Ok(hello) = hello else {
+                tracing::warn!(error = %hello.unwrap_err(), "refused a control connection");
+                continue;
+            };
+            let i = index[&hello.peer];
+            if streams[i].is_none() {
+                connected += 1;
+            }
+            streams[i] = Some(stream);
+        }
+        let (tx, events) = mpsc::unbounded_channel();
+        let mut writers = Vec::with_capacity(expected.len());
+        for (i, s) in streams.into_iter().enumerate() {
+            let (r, w) = s.expect("every rank connected").into_split();
+            writers.push(w);
+            tokio::spawn(read_replies(i, r, tx.clone()));
+        }
+        Ok(ControlServer {
+            names: expected.to_vec(),
+            index,
+            writers,
+            events,
+            next_seq: 1,
+            epoch_start: Instant::now(),
+            dispatch: Vec::new(),
+            pending_cmd: HashMap::new(),
+            buf: Vec::with_capacity(4096),
+        })
+    }
+
+    /// Names of the connected ranks.
+    pub fn ranks(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Sends a command to a rank; returns its sequence number.
+    pub async fn send(&mut self, rank: &str, command: Command) -> Result<u64, ControlError> {
+        let i = *self.index.get(rank).ok_or_else(|| ControlError::Missing(rank.into()))?;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let name = command.name();
+        let env = Envelope { seq, sent_ns: self.epoch_start.elapsed().as_nanos() as u64, command };
+        self.buf.clear();
+        serde_json::to_writer(&mut self.buf, &env).expect("commands serialize");
+        net::write_frame(&mut self.writers[i], &self.buf)
+            .await
+            .map_err(|e| ControlError::Net { rank: rank.into(), source: NetError::io("sending a command", rank, e) })?;
+        self.pending_cmd.insert((i, seq), name);
+        Ok(seq)
+    }
+
+    /// Sends `command` to every rank in `ranks`, then waits for all of them to finish it.
+    pub async fn run(
+        &mut self,
+        ranks: &[String],
+        command: Command,
+        deadline: Instant,
+    ) -> Result<HashMap<String, Report>, ControlError> {
+        let mut pending = HashSet::new();
+        for r in ranks {
+            let seq = self.send(r, command.clone()).await?;
+            pending.insert((self.index[r], seq));
+        }
+        self.collect(pending, deadline).await
+    }
+
+    /// Sends per-rank commands, then waits for all of them.
+    pub async fn run_each(
+        &mut self,
+        commands: Vec<(String, Command)>,
+        deadline: Instant,
+    ) -> Result<HashMap<String, Report>, ControlError> {
+        let mut pending = HashSet::new();
+        for (r, c) in commands {
+            let seq = self.send(&r, c).await?;
+            pending.insert((self.index[&r], seq));
+        }
+        self.collect(pending, deadline).await
+    }
+
+    async fn collect(
+        &mut self,
+        mut pending: HashSet<(usize, u64)>,
+        deadline: Instant,
+    ) -> Result<HashMap<String, Report>, ControlError> {
+        let start = Instant::now();
+        let mut reports = HashMap::new();
+        while !pending.is_empty() {
+            let ev = match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some(ev)) => ev,
+                Ok(None) => return Err(ControlError::Missing("every rank".into())),
+                Err(_) => {
+                    let waiting: Vec<&str> = pending.iter().map(|(i, _)| self.names[*i].as_str()).collect();
+                    let command = pending.iter().find_map(|k| self.pending_cmd.get(k)).copied().unwrap_or("?");
+                    return Err(ControlError::Timeout {
+                        command: command.into(),
+                        waiting: waiting.join(", "),
+                        secs: start.elapsed().as_secs_f64(),
+                    });
+                }
+            };
+            match ev {
+                Event::Reply { rank, reply: Reply::Ack { sent_ns, .. }, at } => {
+                    let now_ns = at.duration_since(self.epoch_start).as_nanos() as u64;
+                    self.dispatch.push(Duration::from_nanos(now_ns.saturating_sub(sent_ns)));
+                    let _ = rank;
+                }
+                Event::Reply { rank, reply: Reply::Done { seq, report }, .. } => {
+                    if pending.remove(&(rank, seq)) {
+                        self.pending_cmd.remove(&(rank, seq));
+                        reports.insert(self.names[rank].clone(), report);
+                    }
+                }
+                Event::Reply { rank, reply: Reply::Failed { seq, error }, .. } => {
+                    let command = self.pending_cmd.remove(&(rank, seq)).unwrap_or("a command");
+                    return Err(ControlError::RankFailed { rank: self.names[rank].clone(), command: command.into(), error });
+                }
+                Event::Lost { rank, reason } => {
+                    return Err(ControlError::Lost { rank: self.names[rank].clone(), reason });
+                }
+            }
+        }
+        Ok(reports)
+    }
+
+    /// Sends Shutdown to every rank without waiting for answers (ranks exit on it).
+    pub async fn shutdown_all(&mut self) {
+        for name in self.names.clone() {
+            let _ = self.send(&name, Command::Shutdown).await;
+        }
+        for w in &mut self.writers {
+            let _ = w.shutdown().await;
+        }
+    }
+}
+
+async fn read_replies(rank: usize, mut r: OwnedReadHalf, tx: mpsc::UnboundedSender<Event>) {
+    let mut buf = Vec::with_capacity(4096);
+    loop {
+        match net::read_frame(&mut r, &mut buf, net::MAX_FRAME).await {
+            Ok(()) => {
+                let at = Instant::now();
+                match serde_json::from_slice::<Reply>(&buf) {
+                    Ok(reply) => {
+                        if tx.send(Event::Reply { rank, reply, at }).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Event::Lost { rank, reason: format!("malformed reply: {e}") });
+                        return;
+                    }
+                }
+            }
+            Err(e) => {
+                let _ = tx.send(Event::Lost { rank, reason: e.to_string() });
+                return;
+            }
+        }
+    }
+}
+
+/// A rank's side of the control channel.
+pub struct ControlClient {
+    reader: OwnedReadHalf,
+    writer: OwnedWriteHalf,
+    buf: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl ControlClient {
+    /// Connects to the coordinator (retrying until `deadline`) and introduces itself as `name`.
+    pub async fn connect(addr: &str, token: &str, name: &str, deadline: Instant) -> Result<ControlClient, ControlError> {
+        let wrap = |source| ControlError::Net { rank: name.into(), source };
+        let mut s = net::connect_retry(addr, deadline, "the coordinator's control channel").await.map_err(wrap)?;
+        let hello = Hello { magic: MAGIC, version: VERSION, token: token.into(), peer: name.into(), extra: vec![] };
+        net::send_hello(&mut s, &hello, deadline, addr).await.map_err(wrap)?;
+        let (reader, writer) = s.into_split();
+        Ok(ControlClient { reader, writer, buf: Vec::with_capacity(4096), out: Vec::with_capacity(1024) })
+    }
+
+    /// Waits for the next command; acknowledges it at once. `None` when the coordinator closed
+    /// the connection.
+    pub async fn next(&mut self) -> Result<Option<Envelope>, ControlError> {
+        match net::read_frame(&mut self.reader, &mut self.buf, net::MAX_FRAME).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => {
+                return Err(ControlError::Net {
+                    rank: "coordinator".into(),
+                    source: NetError::io("reading a command", "coordinator", e),
+                });
+            }
+        }
+        let env: Envelope = serde_json::from_slice(&self.buf)
+            .map_err(|e| ControlError::Malformed { rank: "coordinator".into(), detail: e.to_string() })?;
+        self.reply(&Reply::Ack { seq: env.seq, sent_ns: env.sent_ns }).await?;
+        Ok(Some(env))
+    }
+
+    /// Sends a reply.
+    pub async fn reply(&mut self, reply: &Reply) -> Result<(), ControlError> {
+        self.out.clear();
+        serde_json::to_writer(&mut self.out, reply).expect("replies serialize");
+        net::write_frame(&mut self.writer, &self.out).await.map_err(|e| ControlError::Net {
+            rank: "coordinator".into(),
+            source: NetError::io("sending a reply", "coordinator", e),
+        })
+    }
+}
+
+/// Percentile (0..=100) of a set of durations, in microseconds; 0 when empty.
+pub fn percentile_us(samples: &[Duration], p: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    let mut v: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+    v[rank.min(v.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn commands_are_acked_done_and_timed() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let names = vec!["gen-0".to_string(), "trainer-0".to_string()];
+        for n in names.clone() {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let mut c = ControlClient::connect(&addr, "tok", &n, deadline).await.unwrap();
+                while let Some(env) = c.next().await.unwrap() {
+                    if env.command == Command::Shutdown {
+                        break;
+                    }
+                    let report = Report { bytes: env.seq, ..Default::default() };
+                    c.reply(&Reply::Done { seq: env.seq, report }).await.unwrap();
+                }
+            });
+        }
+        // A stale rank (other epoch's token) is refused and does not count.
+        let stale = addr.clone();
+        tokio::spawn(async move {
+            let _ = ControlClient::connect(&stale, "old-token", "gen-0", deadline).await;
+        });
+        let mut s = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        for step in 0..20 {
+            let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
+            assert_eq!(r.len(), 2);
+        }
+        assert_eq!(s.dispatch.len(), 40, "every command's ack was timed");
+        assert!(percentile_us(&s.dispatch, 50.0) > 0.0);
+        s.shutdown_all().await;
+    }
+
+    #[tokio::test]
+    async fn a_failed_command_and_a_lost_rank_name_the_rank() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let names = vec!["trainer-1".to_string()];
+        tokio::spawn(async move {
+            let mut c = ControlClient::connect(&addr, "tok", "trainer-1", deadline).await.unwrap();
+            let env = c.next().await.unwrap().unwrap();
+            c.reply(&Reply::Failed { seq: env.seq, error: "fan-out peer trainer-3 reset".into() }).await.unwrap();
+            let _ = c.next().await.unwrap();
+            // Die without answering.
+        });
+        let mut s = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        let e = s.run(&names, Command::Train { step: 0, batch: None }, deadline).await.unwrap_err().to_string();
+        assert!(e.contains("trainer-1 failed train: fan-out peer trainer-3 reset"), "{e}");
+        let e = s.run(&names, Command::Update { step: 0, seed: 1 }, deadline).await.unwrap_err().to_string();
+        assert!(e.contains("trainer-1 disconnected"), "{e}");
+    }
+
+    #[test]
+    fn percentiles() {
+        let v: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile_us(&v, 50.0), 51.0);
+        assert_eq!(percentile_us(&v, 99.0), 99.0);
+        assert_eq!(percentile_us(&[], 99.0), 0.0);
+    }
+}
