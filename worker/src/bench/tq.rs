@@ -1,19 +1,1029 @@
-//! `rlplane bench tq`.
+//! `rlplane bench tq`, and the `rlplane peer tq ...` processes that it and the tests spawn.
+//!
+//! The benchmark runs a whole step loop with real processes on loopback: producers put a step's
+//! synthetic rollouts (ragged `input_ids` i64, `logprobs` f32, `loss_mask` u8, scalar `reward`),
+//! the coordinator (this process, owning the controller) claims the step, assigns it to the
+//! consumers balancing tokens, each consumer fetches its shard, and the step is acknowledged and
+//! cleared. It reports put and get GB/s, put→get latency, claim latency, storage RSS, and the get
+//! path's ratio to a raw loopback TCP stream of the same bytes measured in the same run. Every
+//! sample's checksum is compared between producer and consumer.
+//!
+//! Peers are driven over stdin/stdout: one command per line, one JSON reply per line.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use rlplane_api::spec::TqPlacement;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+use crate::net;
+use crate::tq::codec::ErrorCode;
+use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
+use crate::tq::{
+    Batch, BatchMeta, ClientConfig, Column, ControllerConfig, PutOptions, StorageServer, StorageUnit, TqClient,
+    TqController, TqError, WriteRole, assign,
+};
 
 /// Arguments of `rlplane bench tq`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Samples per step.
+    #[arg(long, default_value_t = 1024)]
+    pub samples: u32,
+    /// Response length range in tokens, `MIN..MAX` (uniform).
+    #[arg(long, default_value = "256..4096")]
+    pub response_tokens: String,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_tokens: u32,
+    /// `producer-local` (each producer hosts a unit) or `dedicated` (storage processes).
+    #[arg(long, default_value = "producer-local")]
+    pub placement: String,
+    /// Storage units (and producers: one per unit).
+    #[arg(long, default_value_t = 2)]
+    pub storage_units: u32,
+    /// Consumers (data-parallel leaders).
+    #[arg(long, default_value_t = 2)]
+    pub consumers: u32,
+    /// Steps to run; medians are reported (the first step, which opens connections, is skipped
+    /// when there are at least three).
+    #[arg(long, default_value_t = 5)]
+    pub steps: u32,
+    /// Capacity of each storage unit in bytes.
+    #[arg(long, default_value_t = 4 << 30)]
+    pub capacity_bytes: u64,
+    /// Samples of the partition used to measure claim latency.
+    #[arg(long, default_value_t = 4096)]
+    pub claim_partition: u32,
+    /// Claims timed per measurement.
+    #[arg(long, default_value_t = 400)]
+    pub claim_rounds: u32,
+    /// Print the report as JSON too.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Arguments of a tq peer process.
 #[derive(Debug, clap::Args)]
-pub struct PeerArgs {}
+pub struct PeerArgs {
+    /// The peer's role.
+    #[command(subcommand)]
+    pub role: PeerRole,
+}
 
-/// Runs the benchmark.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("rlplane bench tq is not built yet")
+/// Roles of tq peer processes.
+#[derive(Debug, clap::Subcommand)]
+pub enum PeerRole {
+    /// A dedicated storage unit (commands: stats, exit).
+    Storage(StorageArgs),
+    /// A client: producer, consumer or data-parallel leader, optionally hosting a storage unit
+    /// (commands: put, claim, meta, get, ack, writeback, clear, lead, fanout, stats, exit).
+    Client(ClientArgs),
+    /// A data-parallel follower receiving fanned-out batches.
+    Follower(FollowerArgs),
+    /// A raw TCP sink: accepts one stream, reads it to the end, reports bytes and seconds.
+    RawSink,
+}
+
+/// A storage peer.
+#[derive(Debug, clap::Args)]
+pub struct StorageArgs {
+    /// Unit id.
+    #[arg(long)]
+    pub unit: u32,
+    /// Listen address (port 0: any free port; the reply says which).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Job token.
+    #[arg(long)]
+    pub token: String,
+    /// Capacity in bytes.
+    #[arg(long)]
+    pub capacity: u64,
+    /// Put timeout in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub put_timeout_ms: u64,
+}
+
+/// A client peer.
+#[derive(Debug, clap::Args)]
+pub struct ClientArgs {
+    /// Process name.
+    #[arg(long)]
+    pub name: String,
+    /// Job token.
+    #[arg(long)]
+    pub token: String,
+    /// Controller address.
+    #[arg(long)]
+    pub controller: String,
+    /// Storage units, `ID=ADDR,ID=ADDR`.
+    #[arg(long, default_value = "")]
+    pub units: String,
+    /// `producer-local` or `dedicated`.
+    #[arg(long, default_value = "dedicated")]
+    pub placement: String,
+    /// Host this storage unit in-process (placement producer-local).
+    #[arg(long)]
+    pub host_unit: Option<u32>,
+    /// Listen address of the hosted unit.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Capacity of the hosted unit.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub capacity: u64,
+    /// Put timeout in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub put_timeout_ms: u64,
+    /// This process is a data-parallel follower of this leader (its write-backs are refused).
+    #[arg(long)]
+    pub follower_of: Option<String>,
+}
+
+/// A follower peer.
+#[derive(Debug, clap::Args)]
+pub struct FollowerArgs {
+    /// Process name.
+    #[arg(long)]
+    pub name: String,
+    /// Job token.
+    #[arg(long)]
+    pub token: String,
+    /// Leader's fan-out address.
+    #[arg(long)]
+    pub leader: String,
+    /// Batches to receive before exiting.
+    #[arg(long, default_value_t = 1)]
+    pub batches: u32,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
 }
 
 /// Runs a peer process.
-pub fn run_peer(_args: PeerArgs) -> anyhow::Result<()> {
-    anyhow::bail!("rlplane tq peer is not built yet")
+pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
+    runtime()?.block_on(async move {
+        match args.role {
+            PeerRole::Storage(a) => storage_peer(a).await,
+            PeerRole::Client(a) => client_peer(a).await,
+            PeerRole::Follower(a) => follower_peer(a).await,
+            PeerRole::RawSink => raw_sink_peer().await,
+        }
+    })
+}
+
+// -------------------------------------------------------------------------------------------------
+// Peer processes.
+
+async fn say(v: Value) -> anyhow::Result<()> {
+    let mut out = tokio::io::stdout();
+    out.write_all(format!("{v}\n").as_bytes()).await?;
+    out.flush().await?;
+    Ok(())
+}
+
+fn error_json(e: &TqError) -> Value {
+    let kind = match e {
+        TqError::Net(_) => "Net",
+        TqError::Controller { .. } => "Controller",
+        TqError::Storage { .. } => "Storage",
+        TqError::StorageUnitLost { .. } => "StorageUnitLost",
+        TqError::FollowerWriteBack { .. } => "FollowerWriteBack",
+        TqError::Input { .. } => "Input",
+        TqError::Protocol { .. } => "Protocol",
+    };
+    let code = e.code().map(code_name);
+    json!({"ok": false, "kind": kind, "code": code, "error": e.to_string()})
+}
+
+/// Stable name of an error code (for the peers' JSON).
+pub fn code_name(c: ErrorCode) -> String {
+    format!("{c:?}")
+}
+
+/// Resident and peak resident memory of this process, bytes (Linux; 0 elsewhere).
+pub fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+async fn serve_unit(
+    unit: Arc<StorageUnit>,
+    listen: &str,
+    token: &str,
+    put_timeout: Duration,
+) -> anyhow::Result<String> {
+    let listener = net::bind(listen, "a transfer-queue storage unit").await?;
+    let addr = listener.local_addr()?.to_string();
+    let server = StorageServer::new(unit, token, put_timeout);
+    tokio::spawn(async move {
+        if let Err(e) = server.serve(listener).await {
+            tracing::error!(error = %e, "storage server stopped");
+        }
+    });
+    Ok(addr)
+}
+
+async fn storage_peer(a: StorageArgs) -> anyhow::Result<()> {
+    let unit = Arc::new(StorageUnit::new(a.unit, a.capacity));
+    let addr = serve_unit(unit.clone(), &a.listen, &a.token, Duration::from_millis(a.put_timeout_ms)).await?;
+    say(json!({"ok": true, "listen": addr})).await?;
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        match line.trim() {
+            "stats" => {
+                let (rss, hwm) = rss();
+                say(json!({"ok": true, "rss": rss, "hwm": hwm, "used": unit.used()})).await?
+            }
+            "exit" => break,
+            other => say(json!({"ok": false, "error": format!("unknown command `{other}`")})).await?,
+        }
+    }
+    Ok(())
+}
+
+fn parse_units(s: &str) -> anyhow::Result<BTreeMap<u32, String>> {
+    s.split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (id, addr) = p.split_once('=').ok_or_else(|| anyhow!("--units entry `{p}` is not ID=ADDR"))?;
+            Ok((id.parse().with_context(|| format!("--units id `{id}`"))?, addr.to_string()))
+        })
+        .collect()
+}
+
+fn parse_placement(s: &str) -> anyhow::Result<TqPlacement> {
+    match s {
+        "producer-local" => Ok(TqPlacement::ProducerLocal),
+        "dedicated" => Ok(TqPlacement::Dedicated),
+        other => bail!("--placement `{other}`: use producer-local or dedicated"),
+    }
+}
+
+/// A cheap deterministic generator (splitmix64) for synthetic rollouts.
+struct Mix(u64);
+impl Mix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Synthetic rollouts of keys `first..first+count` of a step: the columns and the keys.
+pub fn synthetic_rollouts(
+    first: u32,
+    count: u32,
+    response: (u32, u32),
+    prompt: u32,
+    seed: u64,
+) -> (Vec<String>, Vec<Column>) {
+    let keys: Vec<String> = (first..first + count).map(|i| format!("{}_g{}", i / 8, i % 8)).collect();
+    let mut ids: Vec<Vec<i64>> = Vec::with_capacity(count as usize);
+    let mut logp: Vec<Vec<f32>> = Vec::with_capacity(count as usize);
+    let mut mask: Vec<Vec<u8>> = Vec::with_capacity(count as usize);
+    let mut reward = Vec::with_capacity(count as usize);
+    for k in &keys {
+        let mut m = Mix(seed ^ xxhash_rust::xxh3::xxh3_64(k.as_bytes()));
+        let span = (response.1 - response.0) as u64 + 1;
+        let resp = response.0 + (m.next() % span) as u32;
+        let total = (prompt + resp) as usize;
+        ids.push((0..total).map(|_| (m.next() % 151_936) as i64).collect());
+        logp.push((0..resp).map(|_| -((m.next() % 10_000) as f32) / 1000.0).collect());
+        mask.push((0..total).map(|j| (j >= prompt as usize) as u8).collect());
+        reward.push((m.next() % 2) as f32);
+    }
+    let columns = vec![
+        Column::ragged("input_ids", &ids.iter().map(|x| x.as_slice()).collect::<Vec<_>>()),
+        Column::ragged("logprobs", &logp.iter().map(|x| x.as_slice()).collect::<Vec<_>>()),
+        Column::ragged("loss_mask", &mask.iter().map(|x| x.as_slice()).collect::<Vec<_>>()),
+        Column::scalars("reward", &reward),
+    ];
+    (keys, columns)
+}
+
+/// Per-sample checksums: xxh3 of each column's bytes of the sample, in column order.
+pub fn sample_checksums(keys: &[String], columns: &[Column]) -> BTreeMap<String, String> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            for c in columns {
+                h.update(c.name().as_bytes());
+                h.update(&(c.rows(i) as u64).to_le_bytes());
+                h.update(&c.sample_bytes(i));
+            }
+            (k.clone(), format!("{:016x}", h.digest()))
+        })
+        .collect()
+}
+
+/// Checksum of a whole batch: keys, and every column's spec, offsets and values.
+pub fn batch_checksum(b: &Batch) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for s in &b.meta.samples {
+        h.update(s.key.as_bytes());
+        h.update(&s.tokens.to_le_bytes());
+    }
+    for c in &b.columns {
+        h.update(c.name().as_bytes());
+        h.update(&[c.spec().dtype.code(), c.spec().ragged as u8]);
+        for o in c.offsets() {
+            h.update(&o.to_le_bytes());
+        }
+        h.update(c.values());
+    }
+    format!("{:016x}", h.digest())
+}
+
+fn batch_sample_checksums(b: &Batch) -> BTreeMap<String, String> {
+    let keys: Vec<String> = b.meta.samples.iter().map(|s| s.key.clone()).collect();
+    sample_checksums(&keys, &b.columns)
+}
+
+struct ClientState {
+    client: TqClient,
+    hosted: Option<Arc<StorageUnit>>,
+    claim: Option<crate::tq::Claim>,
+    meta: Option<BatchMeta>,
+    batch: Option<Batch>,
+    leader: Option<tokio::task::JoinHandle<Result<TcpFanoutLeader, TqError>>>,
+    token: String,
+}
+
+async fn client_peer(a: ClientArgs) -> anyhow::Result<()> {
+    let put_timeout = Duration::from_millis(a.put_timeout_ms);
+    let mut units = parse_units(&a.units)?;
+    let placement = parse_placement(&a.placement)?;
+    let hosted = match a.host_unit {
+        Some(id) => {
+            let unit = Arc::new(StorageUnit::new(id, a.capacity));
+            let addr = serve_unit(unit.clone(), &a.listen, &a.token, put_timeout).await?;
+            units.insert(id, addr.clone());
+            say(json!({"ok": true, "listen": addr})).await?;
+            Some(unit)
+        }
+        None => None,
+    };
+    let config = ClientConfig {
+        token: a.token.clone(),
+        name: a.name.clone(),
+        controller: a.controller.clone(),
+        units,
+        placement,
+        home_unit: a.host_unit,
+        put_timeout,
+        connect_timeout: Duration::from_secs(10),
+        role: match &a.follower_of {
+            Some(l) => WriteRole::Follower { leader: l.clone() },
+            None => WriteRole::Writer,
+        },
+    };
+    let client = TqClient::new(config, hosted.clone())?;
+    let mut st = ClientState { client, hosted, claim: None, meta: None, batch: None, leader: None, token: a.token };
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        let line = line.trim().to_string();
+        if line == "exit" {
+            break;
+        }
+        let reply = match client_command(&mut st, &line).await {
+            Ok(v) => v,
+            Err(e) => match e.downcast::<TqError>() {
+                Ok(e) => error_json(&e),
+                Err(e) => json!({"ok": false, "kind": "Command", "error": format!("{e:#}")}),
+            },
+        };
+        say(reply).await?;
+    }
+    Ok(())
+}
+
+fn fields_arg(s: Option<&str>) -> Vec<String> {
+    match s {
+        None | Some("-") => vec![],
+        Some(s) => s.split(',').filter(|f| !f.is_empty()).map(String::from).collect(),
+    }
+}
+
+async fn client_command(st: &mut ClientState, line: &str) -> anyhow::Result<Value> {
+    let (cmd, rest) = line.split_once(' ').unwrap_or((line, ""));
+    let args: Vec<&str> = rest.split_whitespace().collect();
+    let arg = |i: usize, name: &str| -> anyhow::Result<&str> {
+        args.get(i).copied().ok_or_else(|| anyhow!("`{cmd}` needs argument {} ({name})", i + 1))
+    };
+    match cmd {
+        // put PARTITION FIRST COUNT MIN_TOKENS MAX_TOKENS PROMPT_TOKENS SEED
+        "put" => {
+            let n = |i: usize, name: &str| -> anyhow::Result<u64> {
+                arg(i, name)?.parse().with_context(|| format!("`put` argument {name}"))
+            };
+            let (keys, columns) = synthetic_rollouts(
+                n(1, "first")? as u32,
+                n(2, "count")? as u32,
+                (n(3, "min tokens")? as u32, n(4, "max tokens")? as u32),
+                n(5, "prompt tokens")? as u32,
+                n(6, "seed")?,
+            );
+            let sums = sample_checksums(&keys, &columns);
+            let t = Instant::now();
+            let r = st.client.put_with(arg(0, "partition")?, &keys, &columns, &PutOptions::default()).await?;
+            let secs = t.elapsed().as_secs_f64();
+            Ok(json!({"ok": true, "bytes": r.bytes, "secs": secs, "checksums": sums}))
+        }
+        // claim PARTITION GROUP N MIN FIELDS|-
+        "claim" => {
+            let required = fields_arg(args.get(4).copied());
+            let req: Vec<&str> = required.iter().map(|s| s.as_str()).collect();
+            let n: usize = arg(2, "n")?.parse()?;
+            let min: usize = arg(3, "min")?.parse()?;
+            let t = Instant::now();
+            let c = st.client.claim_min(arg(0, "partition")?, arg(1, "group")?, n, min, &req).await?;
+            let secs = t.elapsed().as_secs_f64();
+            let keys: Vec<String> = c.meta.samples.iter().map(|s| s.key.clone()).collect();
+            let v = json!({"ok": true, "claim_id": c.claim_id, "keys": keys, "secs": secs});
+            st.meta = Some(c.meta.clone());
+            st.claim = Some(c);
+            Ok(v)
+        }
+        // meta JSON: the shard the coordinator assigned.
+        "meta" => {
+            let m: BatchMeta = serde_json::from_str(rest).context("`meta` takes a BatchMeta as JSON")?;
+            let n = m.samples.len();
+            st.meta = Some(m);
+            Ok(json!({"ok": true, "samples": n}))
+        }
+        // get FIELDS
+        "get" => {
+            let meta = st.meta.as_ref().ok_or_else(|| anyhow!("`get` before `claim` or `meta`"))?;
+            let fields = fields_arg(args.first().copied());
+            let f: Vec<&str> = fields.iter().map(|s| s.as_str()).collect();
+            let t = Instant::now();
+            let b = st.client.get(meta, &f).await?;
+            let secs = t.elapsed().as_secs_f64();
+            let v = json!({
+                "ok": true, "bytes": b.nbytes(), "secs": secs,
+                "checksums": batch_sample_checksums(&b), "batch": batch_checksum(&b),
+            });
+            st.batch = Some(b);
+            Ok(v)
+        }
+        "ack" => {
+            let c = st.claim.as_ref().ok_or_else(|| anyhow!("`ack` before `claim`"))?;
+            let r = st.client.ack(c).await?;
+            Ok(json!({"ok": true, "acked": r.acked, "stale": r.stale}))
+        }
+        // writeback FIELD: per-token f32 derived from input_ids, for the current batch's samples.
+        "writeback" => {
+            let b = st.batch.as_ref().ok_or_else(|| anyhow!("`writeback` before `get`"))?;
+            let field = arg(0, "field")?;
+            let ids = b.column("input_ids").ok_or_else(|| anyhow!("`writeback` needs input_ids fetched"))?;
+            let vals: Vec<Vec<f32>> = (0..ids.len())
+                .map(|i| ids.sample_as::<i64>(i).map(|v| v.iter().map(|&x| (x % 1000) as f32 * -0.001).collect()))
+                .collect::<Result<_, _>>()?;
+            let col = Column::ragged(field, &vals.iter().map(|v| v.as_slice()).collect::<Vec<_>>());
+            let keys: Vec<String> = b.meta.samples.iter().map(|s| s.key.clone()).collect();
+            let sums = sample_checksums(&keys, std::slice::from_ref(&col));
+            st.client.write_back(&b.meta, field, &col).await?;
+            Ok(json!({"ok": true, "checksums": sums}))
+        }
+        "clear" => {
+            let r = st.client.clear(arg(0, "partition")?).await?;
+            Ok(json!({"ok": true, "freed": r.freed, "units": r.units}))
+        }
+        // lead NAME,NAME: bind a fan-out port and accept these followers in the background.
+        "lead" => {
+            let names = fields_arg(args.first().copied());
+            let listener = net::bind("127.0.0.1:0", "the fan-out group").await?;
+            let addr = listener.local_addr()?.to_string();
+            let token = st.token.clone();
+            st.leader = Some(tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+                TcpFanoutLeader::accept(&listener, &token, &names, deadline).await
+            }));
+            Ok(json!({"ok": true, "listen": addr}))
+        }
+        // fanout: broadcast the current batch to the accepted followers.
+        "fanout" => {
+            let b = st.batch.as_ref().ok_or_else(|| anyhow!("`fanout` before `get`"))?;
+            let handle = st.leader.take().ok_or_else(|| anyhow!("`fanout` before `lead`"))?;
+            let mut leader = handle.await??;
+            leader.broadcast(b).await?;
+            Ok(json!({"ok": true, "batch": batch_checksum(b), "followers": leader.followers()}))
+        }
+        "stats" => {
+            let (rss, hwm) = rss();
+            let used = st.hosted.as_ref().map(|u| u.used()).unwrap_or(0);
+            Ok(json!({"ok": true, "rss": rss, "hwm": hwm, "used": used}))
+        }
+        other => bail!("unknown command `{other}`"),
+    }
+}
+
+async fn follower_peer(a: FollowerArgs) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut f = match TcpFanoutFollower::connect(&a.leader, &a.token, &a.name, deadline).await {
+        Ok(f) => f,
+        Err(e) => return say(error_json(&e)).await,
+    };
+    for _ in 0..a.batches {
+        match f.receive().await {
+            Ok(b) => say(json!({"ok": true, "batch": batch_checksum(&b), "samples": b.meta.samples.len()})).await?,
+            Err(e) => return say(error_json(&e)).await,
+        }
+    }
+    Ok(())
+}
+
+async fn raw_sink_peer() -> anyhow::Result<()> {
+    let listener = net::bind("127.0.0.1:0", "the raw sink").await?;
+    say(json!({"ok": true, "listen": listener.local_addr()?.to_string()})).await?;
+    let (mut s, _) = listener.accept().await?;
+    net::tune(&s);
+    let mut buf = vec![0u8; 8 << 20];
+    let mut total = 0u64;
+    let mut start = None;
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        start.get_or_insert_with(Instant::now);
+        total += n as u64;
+    }
+    let secs = start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+    say(json!({"ok": true, "bytes": total, "secs": secs})).await
+}
+
+// -------------------------------------------------------------------------------------------------
+// Driving peers (benchmark and tests).
+
+/// A peer process driven over stdin/stdout, killed when dropped.
+#[derive(Debug)]
+pub struct PeerProcess {
+    name: String,
+    child: Child,
+    stdin: ChildStdin,
+    lines: tokio::io::Lines<BufReader<ChildStdout>>,
+}
+
+impl PeerProcess {
+    /// Spawns `exe peer tq ARGS...`, supervised (it dies with this process), with piped stdin
+    /// and stdout for commands and replies.
+    pub fn spawn(exe: &Path, name: &str, args: &[String]) -> anyhow::Result<PeerProcess> {
+        let mut cmd = tokio::process::Command::new(exe);
+        cmd.arg("peer").arg("tq").args(args);
+        crate::proc::supervise(&mut cmd);
+        cmd.stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit());
+        if std::env::var_os("RLPLANE_LOG").is_none() {
+            cmd.env("RLPLANE_LOG", "warn");
+        }
+        let mut child = cmd.spawn().with_context(|| format!("spawning peer {name} ({})", exe.display()))?;
+        let stdin = child.stdin.take().ok_or_else(|| anyhow!("peer {name} has no stdin"))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("peer {name} has no stdout"))?;
+        Ok(PeerProcess { name: name.into(), child, stdin, lines: BufReader::new(stdout).lines() })
+    }
+
+    /// The peer's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Sends one command line.
+    pub async fn send(&mut self, line: &str) -> anyhow::Result<()> {
+        self.stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .with_context(|| format!("sending `{line}` to peer {}", self.name))?;
+        self.stdin.flush().await?;
+        Ok(())
+    }
+
+    /// Reads the next JSON reply, waiting at most `timeout`.
+    pub async fn recv(&mut self, timeout: Duration) -> anyhow::Result<Value> {
+        let line = tokio::time::timeout(timeout, self.lines.next_line())
+            .await
+            .with_context(|| format!("peer {} did not answer within {timeout:?}", self.name))??
+            .ok_or_else(|| anyhow!("peer {} exited without answering", self.name))?;
+        serde_json::from_str(&line).with_context(|| format!("peer {} answered `{line}`", self.name))
+    }
+
+    /// Sends a command and reads its reply.
+    pub async fn call(&mut self, line: &str, timeout: Duration) -> anyhow::Result<Value> {
+        self.send(line).await?;
+        self.recv(timeout).await
+    }
+
+    /// Like [`PeerProcess::call`], failing unless the reply says `"ok": true`.
+    pub async fn call_ok(&mut self, line: &str, timeout: Duration) -> anyhow::Result<Value> {
+        let v = self.call(line, timeout).await?;
+        if v["ok"] != json!(true) {
+            bail!("peer {}: `{}` failed: {v}", self.name, line.chars().take(80).collect::<String>());
+        }
+        Ok(v)
+    }
+
+    /// Kills the process (SIGKILL) and waits for it.
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+// -------------------------------------------------------------------------------------------------
+// The benchmark.
+
+fn parse_range(s: &str) -> anyhow::Result<(u32, u32)> {
+    let (a, b) = s.split_once("..").ok_or_else(|| anyhow!("--response-tokens `{s}`: use MIN..MAX, e.g. 256..4096"))?;
+    let (a, b): (u32, u32) = (a.trim().parse()?, b.trim().parse()?);
+    if a == 0 || a > b {
+        bail!("--response-tokens `{s}`: need 1 <= MIN <= MAX");
+    }
+    Ok((a, b))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    percentile(&s, 0.5)
+}
+
+const T: Duration = Duration::from_secs(120);
+
+/// Runs the benchmark.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    runtime()?.block_on(bench(args))
+}
+
+async fn bench(a: Args) -> anyhow::Result<()> {
+    let response = parse_range(&a.response_tokens)?;
+    let placement = parse_placement(&a.placement)?;
+    if a.storage_units == 0 || a.consumers == 0 || a.samples == 0 || a.steps == 0 {
+        bail!("--storage-units, --consumers, --samples and --steps must be at least 1");
+    }
+    let exe = crate::proc::self_exe()?;
+    let token = "bench-token".to_string();
+    let s = a.storage_units;
+    // The controller's port first: producers and consumers need it.
+    let ctl_listener = net::bind("127.0.0.1:0", "the transfer-queue controller").await?;
+    let ctl_addr = ctl_listener.local_addr()?.to_string();
+    let put_timeout_ms = "30000".to_string();
+
+    // Storage (dedicated processes, or hosted by the producers).
+    let mut units = BTreeMap::new();
+    let mut storage = Vec::new();
+    let mut producers = Vec::new();
+    for u in 0..s {
+        match placement {
+            TqPlacement::Dedicated => {
+                let mut p = PeerProcess::spawn(
+                    &exe,
+                    &format!("tq-{u}"),
+                    &[
+                        "storage".into(),
+                        "--unit".into(),
+                        u.to_string(),
+                        "--token".into(),
+                        token.clone(),
+                        "--capacity".into(),
+                        a.capacity_bytes.to_string(),
+                    ],
+                )?;
+                let v = p.recv(T).await?;
+                units.insert(u, v["listen"].as_str().ok_or_else(|| anyhow!("storage peer said {v}"))?.to_string());
+                storage.push(p);
+            }
+            TqPlacement::ProducerLocal => {
+                let mut p = PeerProcess::spawn(
+                    &exe,
+                    &format!("gen-{u}"),
+                    &[
+                        "client".into(),
+                        "--name".into(),
+                        format!("gen-{u}"),
+                        "--token".into(),
+                        token.clone(),
+                        "--controller".into(),
+                        ctl_addr.clone(),
+                        "--placement".into(),
+                        "producer-local".into(),
+                        "--host-unit".into(),
+                        u.to_string(),
+                        "--capacity".into(),
+                        a.capacity_bytes.to_string(),
+                        "--put-timeout-ms".into(),
+                        put_timeout_ms.clone(),
+                    ],
+                )?;
+                let v = p.recv(T).await?;
+                units.insert(u, v["listen"].as_str().ok_or_else(|| anyhow!("producer said {v}"))?.to_string());
+                producers.push(p);
+            }
+        }
+    }
+    let units_arg = units.iter().map(|(u, a)| format!("{u}={a}")).collect::<Vec<_>>().join(",");
+    if placement == TqPlacement::Dedicated {
+        for u in 0..s {
+            producers.push(PeerProcess::spawn(
+                &exe,
+                &format!("gen-{u}"),
+                &[
+                    "client".into(),
+                    "--name".into(),
+                    format!("gen-{u}"),
+                    "--token".into(),
+                    token.clone(),
+                    "--controller".into(),
+                    ctl_addr.clone(),
+                    "--units".into(),
+                    units_arg.clone(),
+                    "--placement".into(),
+                    "dedicated".into(),
+                    "--put-timeout-ms".into(),
+                    put_timeout_ms.clone(),
+                ],
+            )?);
+        }
+    }
+    let mut consumers = Vec::new();
+    for c in 0..a.consumers {
+        consumers.push(PeerProcess::spawn(
+            &exe,
+            &format!("trainer-{c}"),
+            &[
+                "client".into(),
+                "--name".into(),
+                format!("trainer-{c}"),
+                "--token".into(),
+                token.clone(),
+                "--controller".into(),
+                ctl_addr.clone(),
+                "--units".into(),
+                units_arg.clone(),
+            ],
+        )?);
+    }
+    let controller = TqController::new(ControllerConfig {
+        token: token.clone(),
+        lease: Duration::from_secs(60),
+        units: units.clone(),
+    });
+    tokio::spawn(controller.clone().serve(ctl_listener));
+
+    // Steps.
+    let per_producer = a.samples.div_ceil(s);
+    let mut step_rows = Vec::new();
+    let mut total_bytes = 0u64;
+    for step in 0..a.steps {
+        let part = format!("step-{step}");
+        let t0 = Instant::now();
+        let mut expected = BTreeMap::new();
+        let mut put_secs: f64 = 0.0;
+        let mut put_bytes = 0u64;
+        for (i, p) in producers.iter_mut().enumerate() {
+            let first = i as u32 * per_producer;
+            let count = per_producer.min(a.samples.saturating_sub(first));
+            p.send(&format!(
+                "put {part} {first} {count} {} {} {} {}",
+                response.0,
+                response.1,
+                a.prompt_tokens,
+                step as u64 * 7919 + 1
+            ))
+            .await?;
+        }
+        for p in producers.iter_mut() {
+            let v = p.recv(T).await?;
+            if v["ok"] != json!(true) {
+                bail!("producer {} failed: {v}", p.name());
+            }
+            put_secs = put_secs.max(v["secs"].as_f64().unwrap_or(0.0));
+            put_bytes += v["bytes"].as_u64().unwrap_or(0);
+            for (k, sum) in v["checksums"].as_object().into_iter().flatten() {
+                expected.insert(k.clone(), sum.as_str().unwrap_or_default().to_string());
+            }
+        }
+        // Coordinator: claim the whole step, balance tokens across consumers.
+        let tc = Instant::now();
+        let claim = loop {
+            let c = controller.claim(&part, "train", a.samples as usize, a.samples as usize, &[])?;
+            if !c.meta.samples.is_empty() {
+                break c;
+            }
+            if tc.elapsed() > T {
+                bail!("the step's samples never became ready");
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        };
+        let tokens: Vec<u32> = claim.meta.samples.iter().map(|s| s.tokens).collect();
+        let assignment = assign(&tokens, consumers.len())?;
+        for (c, idx) in consumers.iter_mut().zip(&assignment.shards) {
+            let shard = claim.meta.subset(idx);
+            c.call_ok(&format!("meta {}", serde_json::to_string(&shard)?), T).await?;
+        }
+        for c in consumers.iter_mut() {
+            c.send("get input_ids,logprobs,loss_mask,reward").await?;
+        }
+        let mut get_secs: f64 = 0.0;
+        let mut get_bytes = 0u64;
+        let mut seen = 0usize;
+        for c in consumers.iter_mut() {
+            let v = c.recv(T).await?;
+            if v["ok"] != json!(true) {
+                bail!("consumer {} failed: {v}", c.name());
+            }
+            get_secs = get_secs.max(v["secs"].as_f64().unwrap_or(0.0));
+            get_bytes += v["bytes"].as_u64().unwrap_or(0);
+            for (k, sum) in v["checksums"].as_object().into_iter().flatten() {
+                seen += 1;
+                if expected.get(k).map(|s| s.as_str()) != sum.as_str() {
+                    bail!("sample {k}: consumer {} got checksum {sum}, producer put {:?}", c.name(), expected.get(k));
+                }
+            }
+        }
+        if seen != expected.len() {
+            bail!("consumers got {seen} samples of {}", expected.len());
+        }
+        let put_to_get = t0.elapsed().as_secs_f64();
+        let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.clone()).collect();
+        controller.ack(&part, "train", claim.claim_id, &keys)?;
+        let mut rss_total = 0u64;
+        let mut hwm_total = 0u64;
+        for p in storage.iter_mut().chain(producers.iter_mut().filter(|_| placement == TqPlacement::ProducerLocal)) {
+            let v = p.call_ok("stats", T).await?;
+            rss_total += v["rss"].as_u64().unwrap_or(0);
+            hwm_total += v["hwm"].as_u64().unwrap_or(0);
+        }
+        let cleared = controller.clear(&part).await;
+        if !cleared.unreachable.is_empty() || cleared.freed != put_bytes {
+            bail!("clear freed {} of {put_bytes} bytes; unreachable: {:?}", cleared.freed, cleared.unreachable);
+        }
+        total_bytes = get_bytes;
+        step_rows.push(json!({
+            "step": step, "bytes": get_bytes, "put_secs": put_secs, "get_secs": get_secs,
+            "put_gbps": put_bytes as f64 / put_secs / 1e9, "get_gbps": get_bytes as f64 / get_secs / 1e9,
+            "put_to_get_ms": put_to_get * 1e3, "imbalance": assignment.imbalance,
+            "storage_rss": rss_total, "storage_hwm": hwm_total,
+        }));
+        eprintln!(
+            "step {step}: {:.1} MB, put {:.2} GB/s, get {:.2} GB/s, put→get {:.1} ms, imbalance {:.3}",
+            get_bytes as f64 / 1e6,
+            put_bytes as f64 / put_secs / 1e9,
+            get_bytes as f64 / get_secs / 1e9,
+            put_to_get * 1e3,
+            assignment.imbalance
+        );
+    }
+    let counted: Vec<&Value> =
+        if step_rows.len() >= 3 { step_rows[1..].iter().collect() } else { step_rows.iter().collect() };
+    let col = |k: &str| counted.iter().map(|r| r[k].as_f64().unwrap_or(0.0)).collect::<Vec<_>>();
+    let (put_gbps, get_gbps, p2g) = (median(&col("put_gbps")), median(&col("get_gbps")), median(&col("put_to_get_ms")));
+    let rss_peak = step_rows.iter().map(|r| r["storage_hwm"].as_u64().unwrap_or(0)).max().unwrap_or(0);
+    let rss_last = step_rows.last().map(|r| r["storage_rss"].as_u64().unwrap_or(0)).unwrap_or(0);
+
+    // Raw loopback stream of the same bytes, to another process.
+    let mut sink = PeerProcess::spawn(&exe, "raw-sink", &["raw-sink".into()])?;
+    let v = sink.recv(T).await?;
+    let sink_addr = v["listen"].as_str().ok_or_else(|| anyhow!("raw sink said {v}"))?.to_string();
+    let mut raw_gbps = Vec::new();
+    {
+        let buf = vec![7u8; 8 << 20];
+        let mut s = net::connect_retry(&sink_addr, tokio::time::Instant::now() + T, "the raw sink").await?;
+        // Three passes of the step's bytes; the sink times the whole stream.
+        let mut left = total_bytes * 3;
+        while left > 0 {
+            let n = left.min(buf.len() as u64) as usize;
+            s.write_all(&buf[..n]).await?;
+            left -= n as u64;
+        }
+        s.shutdown().await?;
+        let v = sink.recv(T).await?;
+        raw_gbps.push(v["bytes"].as_f64().unwrap_or(0.0) / v["secs"].as_f64().unwrap_or(f64::INFINITY) / 1e9);
+    }
+    let raw = raw_gbps[0];
+
+    // Claim latency on a large partition, in-process and over TCP.
+    let n = a.claim_partition;
+    let cpart = "claim-bench";
+    let meta = BatchMeta {
+        partition: cpart.into(),
+        schema: vec![crate::tq::FieldSpec::ragged("input_ids", crate::tq::DType::I64)],
+        samples: (0..n)
+            .map(|i| crate::tq::SampleMeta {
+                key: format!("{}_g{}", i / 8, i % 8),
+                unit: i % s,
+                tokens: 256 + i % 3840,
+                rows: vec![256 + i % 3840],
+                tags: vec![],
+            })
+            .collect(),
+    };
+    controller.register(&meta)?;
+    let client = TqClient::new(
+        ClientConfig {
+            token: token.clone(),
+            name: "bench".into(),
+            controller: ctl_addr.clone(),
+            units: units.clone(),
+            placement,
+            home_unit: None,
+            put_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            role: WriteRole::Writer,
+        },
+        None,
+    )?;
+    let mut lat = BTreeMap::new();
+    for &(label, take, tcp) in &[
+        ("tcp_claim_256", 256usize, true),
+        ("tcp_claim_all", n as usize, true),
+        ("inproc_claim_256", 256, false),
+        ("inproc_claim_all", n as usize, false),
+    ] {
+        let mut times = Vec::with_capacity(a.claim_rounds as usize);
+        let mut group = 0u32;
+        let mut left = 0usize;
+        for _ in 0..a.claim_rounds {
+            if left < take {
+                group += 1;
+                left = n as usize;
+            }
+            let g = format!("{label}-{group}");
+            let t = Instant::now();
+            let got = if tcp {
+                client.claim(cpart, &g, take, &["input_ids"]).await?.meta.samples.len()
+            } else {
+                controller.claim(cpart, &g, take, 0, &["input_ids".to_string()])?.meta.samples.len()
+            };
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+            left -= got.min(left);
+            if got != take.min(n as usize) {
+                bail!("{label}: claimed {got} samples, expected {take}");
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        lat.insert(label, (percentile(&times, 0.5), percentile(&times, 0.99)));
+    }
+    controller.clear(cpart).await;
+    for p in storage.iter_mut().chain(producers.iter_mut()).chain(consumers.iter_mut()) {
+        let _ = p.send("exit").await;
+    }
+
+    let report = json!({
+        "samples": a.samples, "response_tokens": a.response_tokens, "placement": a.placement,
+        "storage_units": s, "consumers": a.consumers, "steps": a.steps,
+        "step_bytes": total_bytes, "put_gbps": put_gbps, "get_gbps": get_gbps, "put_to_get_ms": p2g,
+        "raw_gbps": raw, "get_over_raw": get_gbps / raw,
+        "claim_us": lat.iter().map(|(k, (p50, p99))| (k.to_string(), json!({"p50": p50, "p99": p99}))).collect::<serde_json::Map<_, _>>(),
+        "storage_rss_bytes": rss_last, "storage_peak_rss_bytes": rss_peak,
+        "steps_detail": step_rows,
+    });
+    println!(
+        "rlplane bench tq — {} samples/step, responses {} tokens (+{} prompt), placement {}, {} storage units, {} consumers",
+        a.samples, a.response_tokens, a.prompt_tokens, a.placement, s, a.consumers
+    );
+    println!("  step bytes            {:>10.1} MB", total_bytes as f64 / 1e6);
+    println!("  put                   {:>10.2} GB/s", put_gbps);
+    println!("  get                   {:>10.2} GB/s", get_gbps);
+    println!("  raw loopback stream   {:>10.2} GB/s", raw);
+    println!("  get / raw             {:>10.2}", get_gbps / raw);
+    println!("  put→get (step)        {:>10.1} ms", p2g);
+    for (k, (p50, p99)) in &lat {
+        println!("  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   ({n}-sample partition)", k, p50, p99);
+    }
+    println!(
+        "  storage RSS (all units) {:>8.1} MB after a step, peak {:.1} MB",
+        rss_last as f64 / 1e6,
+        rss_peak as f64 / 1e6
+    );
+    if a.json {
+        println!("{report}");
+    }
+    Ok(())
 }

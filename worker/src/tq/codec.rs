@@ -671,6 +671,72 @@ pub fn encode_offsets(offsets: &[u64]) -> Vec<u8> {
     v
 }
 
+/// A whole message decoded from bytes: the header, the body and its buffers (a ragged column's
+/// offsets already checked against its values).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodedMessage {
+    /// Header.
+    pub header: Header,
+    /// Body.
+    pub body: Body,
+    /// Buffer frames, in order.
+    pub buffers: Vec<Vec<u8>>,
+}
+
+/// Decodes one complete message — the u32-length-prefixed header frame and every buffer frame its
+/// block declares — from `bytes`, checking what the stream decoders check. Returns the message
+/// and the bytes it used. For tools, tests and the fuzz target; services decode from streams.
+pub fn decode_message_bytes(bytes: &[u8]) -> Result<(DecodedMessage, usize), CodecError> {
+    let mut r = Reader { b: bytes, pos: 0 };
+    let len = r.u32("header frame length")?;
+    if len > MAX_HEADER {
+        return Err(r.err(format!("header frame of {len} bytes exceeds the limit of {MAX_HEADER}")));
+    }
+    let frame = r.take(len as usize, "header frame")?;
+    let (header, body) = decode(frame).map_err(|e| CodecError { offset: e.offset + 4, what: e.what })?;
+    let mut buffers = Vec::new();
+    if let Some(block) = body.block() {
+        for (spec, values) in &block.columns {
+            let mut frames = Vec::with_capacity(2);
+            if spec.ragged {
+                frames.push(((block.n as u64 + 1) * 8, "offsets"));
+            }
+            frames.push((*values, "values"));
+            for (expected, what) in frames {
+                let at = r.pos;
+                let got = r.u64(what)?;
+                if got != expected {
+                    return Err(CodecError {
+                        offset: at,
+                        what: format!("field `{}` {what} frame of {got} bytes, {expected} declared", spec.name),
+                    });
+                }
+                let n = usize::try_from(got).map_err(|_| r.err("buffer larger than memory"))?;
+                buffers.push(r.take(n, what)?.to_vec());
+            }
+            if spec.ragged {
+                let offsets = &buffers[buffers.len() - 2];
+                decode_offsets(&spec.name, offsets, block.n, *values, spec.row_bytes().unwrap_or(1))?;
+            }
+        }
+    }
+    Ok((DecodedMessage { header, body, buffers }, r.pos))
+}
+
+/// Encodes a message with its buffers into one byte vector (the inverse of
+/// [`decode_message_bytes`]; services write with [`Outgoing`] instead, without copying).
+pub fn encode_message_bytes(header: &Header, body: &Body, buffers: &[&[u8]]) -> Vec<u8> {
+    let frame = encode(header, body);
+    let mut v = Vec::with_capacity(4 + frame.len() + buffers.iter().map(|b| 8 + b.len()).sum::<usize>());
+    v.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+    v.extend_from_slice(&frame);
+    for b in buffers {
+        v.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        v.extend_from_slice(b);
+    }
+    v
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stream I/O.
 
