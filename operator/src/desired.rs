@@ -1,22 +1,29 @@
-//! The desired state of an RLJob epoch, computed by pure functions from the spec: the headless
-//! Service, the plan ConfigMap, every Pod, and the gang scheduler's PodGroup. No I/O here; the
-//! controller applies the result with server-side apply.
+//! The desired state of an RLJob epoch, computed by pure functions from the spec: the worker's
+//! ServiceAccount, Role and RoleBinding, the headless Service, the plan ConfigMap, every Pod, and
+//! the gang scheduler's PodGroup. No I/O here; the controller applies the result with server-side
+//! apply.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, PodSpec, Probe, ResourceRequirements, Service, ServicePort,
-    ServiceSpec, Volume, VolumeMount,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, PodSpec, Probe, ResourceRequirements, Service, ServiceAccount,
+    ServicePort, ServiceSpec, Volume, VolumeMount,
 };
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use rlplane_api::plan::{PodEntry, PodRole, ProcessRole, WorkerPlan};
-use rlplane_api::topology::{ClusterAddressing, JobIdentity, POD_IPC_DIR, build_plan, headless_service_name, plan_config_map_name};
-use rlplane_api::{Device, GangScheduler, Mode, PodOverrides, RLJob, UserTemplate, ValidationErrors, validate_job};
+use rlplane_api::topology::{
+    ClusterAddressing, JobIdentity, POD_IPC_DIR, build_plan, headless_service_name, plan_config_map_name,
+};
+use rlplane_api::{
+    Device, GangScheduler, Mode, PodOverrides, RLJob, RLJobSpec, RunPolicy, UserTemplate, ValidationErrors,
+    validate_job,
+};
 
 /// Label keys.
 pub mod labels {
@@ -36,6 +43,10 @@ pub mod labels {
     pub const KUEUE_QUEUE: &str = "kueue.x-k8s.io/queue-name";
 }
 
+/// Annotation on every pod: a hash of the pod-shaping part of the spec the pod was built from.
+/// A running gang whose pods carry another hash than the current spec's is restarted with the new
+/// spec (a gang cannot be updated pod by pod).
+pub const SPEC_HASH_ANNOTATION: &str = "rlplane.dev/spec-hash";
 /// Field manager for server-side apply.
 pub const FIELD_MANAGER: &str = "rlplane-operator";
 /// Key of the plan in the ConfigMap.
@@ -72,7 +83,9 @@ pub enum DesiredError {
     #[error("invalid spec:\n{0}")]
     InvalidSpec(ValidationErrors),
     /// The plan does not fit in a ConfigMap.
-    #[error("the worker plan is {bytes} bytes, over the ConfigMap limit of {MAX_PLAN_BYTES}; use a model preset instead of an explicit tensor list, or fewer ranks")]
+    #[error(
+        "the worker plan is {bytes} bytes, over the ConfigMap limit of {MAX_PLAN_BYTES}; use a model preset instead of an explicit tensor list, or fewer ranks"
+    )]
     PlanTooLarge {
         /// Plan size.
         bytes: usize,
@@ -87,6 +100,13 @@ pub enum DesiredError {
 pub struct Desired {
     /// The plan every worker reads.
     pub plan: WorkerPlan,
+    /// `<job>-worker`: the identity the pods run as (unless a user template names its own), so
+    /// that the coordinator can report `status.step` and `status.lastRefit`.
+    pub service_account: ServiceAccount,
+    /// `<job>-worker`: `get` and `patch` on this job's `rljobs/status`, nothing else.
+    pub role: Role,
+    /// Binds the Role to `<job>-worker` and to every ServiceAccount a user template names.
+    pub role_binding: RoleBinding,
     /// Headless Service giving pods stable DNS names.
     pub service: Service,
     /// ConfigMap holding the plan.
@@ -142,9 +162,78 @@ pub fn desired(job: &RLJob, epoch: u32, cfg: &OperatorConfig) -> Result<Desired,
         ..Default::default()
     };
 
+    let worker_sa = worker_service_account_name(&name);
+    let service_account = ServiceAccount {
+        metadata: meta(worker_sa.clone(), BTreeMap::new()),
+        // Only the coordinator's pod mounts a token (see `pod`); the account itself allows it.
+        ..Default::default()
+    };
+    let role = Role {
+        metadata: meta(worker_sa.clone(), BTreeMap::new()),
+        rules: Some(vec![PolicyRule {
+            api_groups: Some(vec![RLJob::group(&()).into_owned()]),
+            resources: Some(vec![format!("{}/status", RLJob::plural(&()))]),
+            resource_names: Some(vec![name.clone()]),
+            verbs: vec!["get".into(), "patch".into()],
+            ..Default::default()
+        }]),
+    };
+    let mut subjects = vec![worker_sa.clone()];
+    for sa in template_service_accounts(job) {
+        if !subjects.contains(&sa) {
+            subjects.push(sa);
+        }
+    }
+    let role_binding = RoleBinding {
+        metadata: meta(worker_sa.clone(), BTreeMap::new()),
+        role_ref: RoleRef { api_group: "rbac.authorization.k8s.io".into(), kind: "Role".into(), name: worker_sa },
+        subjects: Some(
+            subjects
+                .into_iter()
+                .map(|sa| Subject {
+                    kind: "ServiceAccount".into(),
+                    name: sa,
+                    namespace: Some(namespace.clone()),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
+    };
+
     let pod_group = pod_group(job, &name, &namespace, &owner, plan.pods.len());
-    let pods = (0..plan.pods.len()).map(|i| pod(job, &plan, i, epoch, cfg, &owner, &meta)).collect();
-    Ok(Desired { plan, service, config_map, pods, pod_group })
+    let hash = spec_hash(&job.spec);
+    let pods = (0..plan.pods.len()).map(|i| pod(job, &plan, i, epoch, cfg, &owner, &hash, &meta)).collect();
+    Ok(Desired { plan, service_account, role, role_binding, service, config_map, pods, pod_group })
+}
+
+/// Name of the job's worker ServiceAccount, Role and RoleBinding.
+pub fn worker_service_account_name(job: &str) -> String {
+    format!("{job}-worker")
+}
+
+/// ServiceAccounts named by the job's user templates (pods built from them run as those).
+fn template_service_accounts(job: &RLJob) -> Vec<String> {
+    [&job.spec.trainer.template, &job.spec.generation.template]
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.pod_template().ok()?.spec?.service_account_name)
+        .collect()
+}
+
+/// Hash of the part of the spec that shapes pods, the plan and the PodGroup: everything except
+/// `runPolicy` (deadlines, TTL, backoff and suspend change no pod) and `scheduling.queueName`
+/// (Kueue's business). FNV-1a 64 over the JSON form: stable across Rust versions and platforms.
+pub fn spec_hash(spec: &RLJobSpec) -> String {
+    let mut shaping = spec.clone();
+    shaping.run_policy = RunPolicy::default();
+    shaping.scheduling.queue_name = None;
+    let bytes = serde_json::to_vec(&shaping).unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 /// Labels on every object of a job.
@@ -193,7 +282,8 @@ fn pod_group(job: &RLJob, name: &str, namespace: &str, owner: &OwnerReference, p
     {
         spec["priorityClassName"] = pc.clone().into();
     }
-    let mut obj = DynamicObject::new(&pod_group_name(name), &ar).within(namespace).data(serde_json::json!({ "spec": spec }));
+    let mut obj =
+        DynamicObject::new(&pod_group_name(name), &ar).within(namespace).data(serde_json::json!({ "spec": spec }));
     obj.metadata.labels = Some(common_labels(name));
     obj.metadata.owner_references = Some(vec![owner.clone()]);
     Some(obj)
@@ -209,6 +299,7 @@ fn scheduler_name(job: &RLJob) -> Option<String> {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn pod(
     job: &RLJob,
     plan: &WorkerPlan,
@@ -216,6 +307,7 @@ fn pod(
     epoch: u32,
     cfg: &OperatorConfig,
     owner: &OwnerReference,
+    spec_hash: &str,
     meta: &dyn Fn(String, BTreeMap<String, String>) -> ObjectMeta,
 ) -> Pod {
     let entry: &PodEntry = &plan.pods[index];
@@ -288,7 +380,11 @@ fn pod(
     if spec.scheduling.gang == GangScheduler::Volcano {
         annotations.insert("scheduling.k8s.io/group-name".into(), pod_group_name(job_name));
     }
-    annotations.insert("rlplane.dev/processes".into(), procs.iter().map(|&p| plan.process(p).name.as_str()).collect::<Vec<_>>().join(","));
+    annotations.insert(
+        "rlplane.dev/processes".into(),
+        procs.iter().map(|&p| plan.process(p).name.as_str()).collect::<Vec<_>>().join(","),
+    );
+    annotations.insert(SPEC_HASH_ANNOTATION.into(), spec_hash.into());
     metadata.annotations = Some(annotations);
     metadata.owner_references = Some(vec![owner.clone()]);
 
@@ -410,10 +506,20 @@ fn pod(
             let Some(ts) = pt.spec else { continue };
             for mut c in ts.containers {
                 let m = c.volume_mounts.get_or_insert_with(Vec::new);
-                m.extend(shared.iter().filter(|s| !m.iter().any(|x| x.mount_path == s.mount_path)).cloned().collect::<Vec<_>>());
+                m.extend(
+                    shared
+                        .iter()
+                        .filter(|s| !m.iter().any(|x| x.mount_path == s.mount_path))
+                        .cloned()
+                        .collect::<Vec<_>>(),
+                );
                 let e = c.env.get_or_insert_with(Vec::new);
                 e.push(env_field("RLPLANE_POD", "metadata.name"));
-                e.push(EnvVar { name: "RLPLANE_IPC_DIR".into(), value: Some(POD_IPC_DIR.into()), ..Default::default() });
+                e.push(EnvVar {
+                    name: "RLPLANE_IPC_DIR".into(),
+                    value: Some(POD_IPC_DIR.into()),
+                    ..Default::default()
+                });
                 containers.push(c);
             }
             init.extend(ts.init_containers.unwrap_or_default());
@@ -437,7 +543,11 @@ fn pod(
         let asks_gpus = containers.iter().any(|c| {
             c.resources.as_ref().and_then(|r| r.limits.as_ref()).is_some_and(|l| l.contains_key("nvidia.com/gpu"))
         });
-        if spec.device == Device::Gpu && gpus > 0 && !asks_gpus && let Some(first) = containers.first_mut() {
+        if spec.device == Device::Gpu
+            && gpus > 0
+            && !asks_gpus
+            && let Some(first) = containers.first_mut()
+        {
             first.resources = with_gpus(first.resources.take(), gpus);
         }
         pod_spec.containers = containers;
@@ -445,6 +555,14 @@ fn pod(
     }
     volumes.dedup_by(|a, b| a.name == b.name);
     pod_spec.volumes = Some(volumes);
+    if pod_spec.service_account_name.is_none() {
+        // The job's own account; only the coordinator reports status, so only its pod gets a
+        // token. A user template that names an account keeps that account and its token rules.
+        pod_spec.service_account_name = Some(worker_service_account_name(job_name));
+        if !procs.contains(&plan.coordinator) {
+            pod_spec.automount_service_account_token = Some(false);
+        }
+    }
     Pod { metadata, spec: Some(pod_spec), status: None }
 }
 

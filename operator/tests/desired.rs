@@ -179,3 +179,77 @@ fn the_committed_crd_is_fresh() {
         "crds/rljob.yaml is stale: run `cargo run -p rlplane-operator --bin crdgen crds/rljob.yaml`"
     );
 }
+
+#[test]
+fn the_worker_account_may_only_read_and_patch_this_jobs_status() {
+    let j = job("rljob-cpu.yaml");
+    let d = desired(&j, 0, &cfg()).unwrap();
+    assert_eq!(d.service_account.metadata.name.as_deref(), Some("grpo-cpu-worker"));
+    let rules = d.role.rules.as_ref().unwrap();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    let r = &rules[0];
+    assert_eq!(r.api_groups.as_deref(), Some(&["rlplane.dev".to_string()][..]));
+    assert_eq!(r.resources.as_deref(), Some(&["rljobs/status".to_string()][..]));
+    assert_eq!(r.resource_names.as_deref(), Some(&["grpo-cpu".to_string()][..]));
+    assert_eq!(r.verbs, vec!["get", "patch"]);
+    let rb = &d.role_binding;
+    assert_eq!((rb.role_ref.kind.as_str(), rb.role_ref.name.as_str()), ("Role", "grpo-cpu-worker"));
+    let subjects = rb.subjects.as_ref().unwrap();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(
+        (subjects[0].kind.as_str(), subjects[0].name.as_str(), subjects[0].namespace.as_deref()),
+        ("ServiceAccount", "grpo-cpu-worker", Some("ml"))
+    );
+    for meta in [&d.service_account.metadata, &d.role.metadata, &rb.metadata] {
+        assert_eq!(meta.namespace.as_deref(), Some("ml"));
+        assert_eq!(meta.owner_references.as_ref().unwrap()[0].name, "grpo-cpu");
+        assert_eq!(meta.labels.as_ref().unwrap()[labels::JOB], "grpo-cpu");
+    }
+    // Every pod runs as the worker account; only the coordinator's pod gets a token.
+    for pod in &d.pods {
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.service_account_name.as_deref(), Some("grpo-cpu-worker"));
+        let coordinator = pod.metadata.labels.as_ref().unwrap().contains_key(labels::COORDINATOR);
+        let automount = spec.automount_service_account_token;
+        assert_eq!(automount, if coordinator { None } else { Some(false) }, "{:?}", pod.metadata.name);
+    }
+}
+
+#[test]
+fn a_service_account_named_by_a_template_is_kept_and_bound_as_well() {
+    let mut j = job("rljob-colocated.yaml");
+    j.spec.trainer.template = Some(
+        serde_json::from_value(serde_json::json!({
+            "spec": {"serviceAccountName": "team-rl", "containers": [{"name": "megatron", "image": "nvcr.io/megatron:1"}]}
+        }))
+        .unwrap(),
+    );
+    let d = desired(&j, 0, &cfg()).unwrap();
+    for pod in d.pods.iter().filter(|p| p.metadata.labels.as_ref().unwrap()[labels::ROLE] == "trainer") {
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.service_account_name.as_deref(), Some("team-rl"));
+        assert_eq!(spec.automount_service_account_token, None, "the user's account keeps its own token rules");
+    }
+    let names: Vec<_> = d.role_binding.subjects.as_ref().unwrap().iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, vec!["llama3-8b-colocated-worker", "team-rl"], "the coordinator can report either way");
+}
+
+#[test]
+fn the_spec_hash_follows_what_shapes_pods_and_ignores_the_run_policy() {
+    use rlplane_operator::desired::{SPEC_HASH_ANNOTATION, spec_hash};
+    let j = job("rljob-cpu.yaml");
+    let base = spec_hash(&j.spec);
+    let mut policy = j.spec.clone();
+    policy.run_policy.backoff_limit = 9;
+    policy.run_policy.active_deadline_seconds = Some(60);
+    policy.run_policy.suspend = true;
+    policy.scheduling.queue_name = Some("team-a".into());
+    assert_eq!(spec_hash(&policy), base, "runPolicy and the queue name change no pod");
+    let mut shape = j.spec.clone();
+    shape.workload.steps += 1;
+    assert_ne!(spec_hash(&shape), base, "the plan changes with the workload");
+    let d = desired(&j, 0, &cfg()).unwrap();
+    for pod in &d.pods {
+        assert_eq!(pod.metadata.annotations.as_ref().unwrap()[SPEC_HASH_ANNOTATION], base);
+    }
+}
