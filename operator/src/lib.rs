@@ -3,7 +3,17 @@
 //! [`desired`] computes what should exist from the spec (pure); the controller applies it with
 //! server-side apply and owns status, gang restarts, suspension and clean-up.
 
+pub mod bench;
+pub mod cluster;
+pub mod conditions;
+pub mod decide;
 pub mod desired;
+pub mod error;
+pub mod metrics;
+pub mod observe;
+pub mod reconcile;
+pub mod run;
+pub mod server;
 
 /// The RLJob CRD as YAML, with a header saying how it is made.
 pub fn crd_yaml() -> Result<String, String> {

@@ -1,0 +1,641 @@
+//! The operator's decisions, as a pure function: from an RLJob, its pods and the time, the ordered
+//! steps that bring the cluster to the desired state, the status to write, the Events to publish
+//! and when to look again. [`crate::reconcile`] executes the steps and does nothing else.
+//!
+//! The rules (docs/operator.md has the whole contract):
+//! - A finished job (Succeeded, or Failed other than InvalidSpec) only loses its pods and objects,
+//!   and is deleted `ttlSecondsAfterFinished` after it finished.
+//! - An invalid spec fails the job (Failed/InvalidSpec, every validation message) and is not
+//!   looked at again until `metadata.generation` changes.
+//! - `spec.runPolicy.suspend: true` deletes every pod and object but the RLJob (Suspended).
+//! - Otherwise the job runs as a gang: pods of the current epoch are created together; any of them
+//!   failing restarts the whole gang with epoch + 1 (up to `backoffLimit`, then Failed); the
+//!   coordinator's pod succeeding is the job's success; pods of other epochs are deleted and never
+//!   counted; a spec change that shapes pods restarts the gang without counting a restart.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use rlplane_api::{GangScheduler, Phase, RLJob, RLJobStatus, RoleCounts};
+
+use crate::conditions::{self, reasons};
+use crate::desired::{Desired, DesiredError, OperatorConfig, desired, labels, spec_hash};
+use crate::observe::{FailureKind, ObservedPod, PodFailure, observe, owned_by};
+
+/// How long to wait before looking again when nothing else will trigger a reconcile: a safety
+/// net for missed watch events (kube-runtime's advice), not a polling loop.
+pub const RESYNC: Duration = Duration::from_secs(300);
+/// How often to look while pods of an earlier epoch are still terminating (their deletion also
+/// triggers a reconcile; this only bounds a missed event).
+pub const WAIT_FOR_PODS: Duration = Duration::from_secs(10);
+/// Kubernetes caps an Event's note at 1 kB.
+const MAX_NOTE_BYTES: usize = 1024;
+
+/// A pod to delete; the delete is conditioned on the uid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodRef {
+    /// Pod name.
+    pub name: String,
+    /// Pod uid.
+    pub uid: Option<String>,
+}
+
+/// An Event to publish on the RLJob.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobEvent {
+    /// Warning (something went wrong) or Normal.
+    pub warning: bool,
+    /// CamelCase reason, e.g. `GangRestart`.
+    pub reason: String,
+    /// CamelCase action the operator took, e.g. `RestartGang`.
+    pub action: String,
+    /// What happened, at most 1 kB.
+    pub note: String,
+}
+
+/// One thing to do, in order. The executor stops at the first step that fails.
+#[derive(Clone, Debug)]
+pub enum Step {
+    /// Server-side apply the ServiceAccount, Role, RoleBinding, Service, ConfigMap and PodGroup
+    /// (everything in [`Desired`] but the pods; its `pods` is empty).
+    ApplyObjects(Box<Desired>),
+    /// Server-side apply these pods (they do not exist yet).
+    CreatePods(Vec<Pod>),
+    /// Server-side apply the operator's part of the status (never `step` nor `lastRefit`).
+    WriteStatus(Box<RLJobStatus>),
+    /// Delete these pods.
+    DeletePods(Vec<PodRef>),
+    /// Delete the Service, ConfigMap, ServiceAccount, Role, RoleBinding and PodGroups.
+    DeleteObjects,
+    /// Delete PodGroups of these gang schedulers (the gang kind changed).
+    DeletePodGroups(Vec<GangScheduler>),
+    /// Delete the RLJob itself (TTL after finished).
+    DeleteJob,
+    /// Publish an Event on the RLJob.
+    Publish(JobEvent),
+}
+
+/// What to do for one RLJob now.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    /// Steps, in order.
+    pub steps: Vec<Step>,
+    /// When to look again if nothing triggers a reconcile before; None: only on change.
+    pub requeue_after: Option<Duration>,
+    /// The job's phase once the steps are done.
+    pub phase: Phase,
+    /// A gang restart caused by a failure (for `rlplane_operator_restarts_total`).
+    pub restart: Option<FailureKind>,
+}
+
+impl Decision {
+    /// The status this decision writes, if it writes one.
+    pub fn status(&self) -> Option<&RLJobStatus> {
+        self.steps.iter().find_map(|s| match s {
+            Step::WriteStatus(st) => Some(&**st),
+            _ => None,
+        })
+    }
+
+    /// The events this decision publishes.
+    pub fn events(&self) -> impl Iterator<Item = &JobEvent> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Publish(e) => Some(e),
+            _ => None,
+        })
+    }
+}
+
+/// The operator's part of a status: `step` and `lastRefit` belong to the coordinator (its own
+/// field manager), so they are never part of what the operator writes or compares.
+pub fn operator_status(status: Option<&RLJobStatus>) -> RLJobStatus {
+    let mut st = status.cloned().unwrap_or_default();
+    st.step = None;
+    st.last_refit = None;
+    st
+}
+
+/// Decides what to do for `job`, given the pods that carry its label (pods it does not control
+/// are ignored) and the time.
+pub fn decide(job: &RLJob, pods: &[Pod], now: Timestamp, cfg: &OperatorConfig) -> Decision {
+    // Status times have a resolution of seconds; deciding with the same keeps comparisons exact.
+    let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
+    let uid = job.metadata.uid.as_deref().unwrap_or_default();
+    let observed: Vec<ObservedPod> = pods.iter().filter(|p| owned_by(p, uid)).map(observe).collect();
+    let mut d = Draft::new(job, observed, now);
+    if job.metadata.deletion_timestamp.is_some() {
+        // Garbage collection removes the children through their owner references.
+        return d.finish(None);
+    }
+    if is_final(&d.old, d.generation) {
+        return d.finished();
+    }
+    let epoch = d.observed.iter().filter_map(|p| p.epoch).fold(d.old.epoch, u32::max);
+    let desired = match desired(job, epoch, cfg) {
+        Ok(desired) => desired,
+        Err(e) => return d.invalid(&e),
+    };
+    d.set_totals(&desired);
+    if job.spec.run_policy.suspend {
+        return d.suspended(epoch);
+    }
+    d.active(epoch, desired)
+}
+
+/// Succeeded, or Failed for a reason other than a spec the user may still fix.
+fn is_final(st: &RLJobStatus, generation: Option<i64>) -> bool {
+    match st.phase {
+        Phase::Succeeded => true,
+        Phase::Failed => {
+            !conditions::has_reason(&st.conditions, conditions::FAILED, true, reasons::INVALID_SPEC)
+                || st.observed_generation == generation
+        }
+        _ => false,
+    }
+}
+
+/// True when none of the job's pods or objects exist: the status was never written (nothing was
+/// created), or a cleanup finished (PodsCreated=False/NoPods).
+fn cleaned(st: &RLJobStatus) -> bool {
+    st.conditions.is_empty()
+        || conditions::has_reason(&st.conditions, conditions::PODS_CREATED, false, reasons::NO_PODS)
+}
+
+/// Messages of an invalid spec, one line each (`path: what to do`; a message may contain `;`).
+fn invalid_message(e: &DesiredError) -> String {
+    match e {
+        DesiredError::InvalidSpec(v) => v.lines().join("\n"),
+        other => other.to_string(),
+    }
+}
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max.saturating_sub(3);
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push_str("...");
+    }
+    s
+}
+
+fn secs(d: i64) -> Duration {
+    Duration::from_secs(d.max(1) as u64)
+}
+
+/// A decision being built: the old and new status and the steps so far.
+struct Draft<'a> {
+    job: &'a RLJob,
+    old: RLJobStatus,
+    st: RLJobStatus,
+    observed: Vec<ObservedPod>,
+    now: Timestamp,
+    generation: Option<i64>,
+    steps: Vec<Step>,
+    events: Vec<JobEvent>,
+    restart: Option<FailureKind>,
+}
+
+impl<'a> Draft<'a> {
+    fn new(job: &'a RLJob, observed: Vec<ObservedPod>, now: Timestamp) -> Self {
+        let old = operator_status(job.status.as_ref());
+        Draft {
+            job,
+            st: old.clone(),
+            old,
+            observed,
+            now,
+            generation: job.metadata.generation,
+            steps: Vec::new(),
+            events: Vec::new(),
+            restart: None,
+        }
+    }
+
+    fn set(&mut self, type_: &str, status: bool, reason: &str, message: &str) {
+        conditions::set(&mut self.st.conditions, type_, status, reason, message, self.generation, self.now);
+    }
+
+    /// Sets every condition for an inactive or transitional `phase`: the one named `true_type`
+    /// True with `reason` and `message`, the rest False with the phase as reason.
+    fn set_phase(&mut self, phase: Phase, true_type: Option<&str>, reason: &str, message: &str) {
+        self.st.phase = phase;
+        for t in conditions::ALL {
+            if Some(t) == true_type {
+                self.set(t, true, reason, message);
+            } else {
+                self.set(t, false, phase.as_str(), "");
+            }
+        }
+    }
+
+    fn event(&mut self, warning: bool, reason: &str, action: &str, note: String) {
+        self.events.push(JobEvent {
+            warning,
+            reason: reason.into(),
+            action: action.into(),
+            note: truncate(note, MAX_NOTE_BYTES),
+        });
+    }
+
+    /// Writes the status here in the step order, if it differs from the stored one.
+    fn write_status(&mut self) {
+        if self.st != self.old {
+            self.steps.push(Step::WriteStatus(Box::new(self.st.clone())));
+        }
+    }
+
+    fn set_totals(&mut self, desired: &Desired) {
+        let count = |role: &str| {
+            desired
+                .pods
+                .iter()
+                .filter(|p| {
+                    p.metadata.labels.as_ref().and_then(|l| l.get(labels::ROLE)).map(String::as_str) == Some(role)
+                })
+                .count() as u32
+        };
+        self.st.roles.trainer.total = count("trainer");
+        self.st.roles.generation.total = count("gen");
+        self.st.roles.storage.total = count("tq");
+    }
+
+    fn clear_ready(&mut self) {
+        for r in [&mut self.st.roles.trainer, &mut self.st.roles.generation, &mut self.st.roles.storage] {
+            r.ready = 0;
+        }
+    }
+
+    /// Pods still to delete (a terminating pod is already on its way).
+    fn live_pods(&self) -> Vec<PodRef> {
+        self.observed
+            .iter()
+            .filter(|p| !p.terminating)
+            .map(|p| PodRef { name: p.name.clone(), uid: p.uid.clone() })
+            .collect()
+    }
+
+    fn finish(mut self, requeue_after: Option<Duration>) -> Decision {
+        let events = std::mem::take(&mut self.events);
+        self.steps.extend(events.into_iter().map(Step::Publish));
+        Decision { steps: self.steps, requeue_after, phase: self.st.phase, restart: self.restart }
+    }
+
+    /// The tail of every inactive decision (finished, invalid, suspended): the status first (so
+    /// that deleted pods are never mistaken for failures), then the pods; once none are left,
+    /// the other objects, then PodsCreated=False/NoPods.
+    fn tear_down(&mut self) {
+        let reason_when_empty = reasons::NO_PODS;
+        if !self.observed.is_empty() {
+            self.set(conditions::PODS_CREATED, false, reasons::DELETING_PODS, "deleting the pods");
+            self.write_status();
+            let live = self.live_pods();
+            if !live.is_empty() {
+                self.steps.push(Step::DeletePods(live));
+            }
+        } else {
+            if !cleaned(&self.old) {
+                self.steps.push(Step::DeleteObjects);
+            }
+            self.set(conditions::PODS_CREATED, false, reason_when_empty, "no pods or objects of this job exist");
+            self.write_status();
+        }
+    }
+
+    /// Succeeded, or Failed for good: delete what is left, then the job after its TTL.
+    fn finished(mut self) -> Decision {
+        let policy = &self.job.spec.run_policy;
+        if let (Some(ttl), Some(done)) = (policy.ttl_seconds_after_finished, self.old.completion_time.as_ref()) {
+            let expires = done.0.as_second().saturating_add(ttl as i64);
+            let left = expires - self.now.as_second();
+            if left <= 0 {
+                self.event(
+                    false,
+                    "TTLExpired",
+                    "DeleteJob",
+                    format!(
+                        "deleting the RLJob: it finished {}s ago (ttlSecondsAfterFinished={ttl})",
+                        ttl as i64 - left
+                    ),
+                );
+                // The Event first: once the job is gone, nothing can be published on it.
+                let events = std::mem::take(&mut self.events);
+                self.steps.extend(events.into_iter().map(Step::Publish));
+                self.steps.push(Step::DeleteJob);
+                return Decision { steps: self.steps, requeue_after: None, phase: self.st.phase, restart: None };
+            }
+            self.tear_down();
+            return self.finish(Some(secs(left)));
+        }
+        self.tear_down();
+        self.finish(None)
+    }
+
+    /// The spec cannot run: Failed/InvalidSpec, every message, no retry until the spec changes.
+    fn invalid(mut self, e: &DesiredError) -> Decision {
+        let message = invalid_message(e);
+        let already_failed = self.old.phase == Phase::Failed;
+        self.set_phase(Phase::Failed, Some(conditions::FAILED), reasons::INVALID_SPEC, &message);
+        self.clear_ready();
+        self.st.observed_generation = self.generation;
+        if !already_failed {
+            self.st.completion_time = Some(Time(self.now));
+        }
+        self.event(
+            true,
+            reasons::INVALID_SPEC,
+            "Validate",
+            format!("the spec is invalid and will not run until it changes: {message}"),
+        );
+        self.tear_down();
+        // No requeue: the next look comes with a new generation (or a TTL, decided then).
+        self.finish(None)
+    }
+
+    fn suspended(mut self, epoch: u32) -> Decision {
+        let job = self.job;
+        let queue = job.metadata.labels.as_ref().and_then(|l| l.get(labels::KUEUE_QUEUE)).or(job
+            .spec
+            .scheduling
+            .queue_name
+            .as_ref());
+        let message = match queue {
+            Some(q) => {
+                format!("spec.runPolicy.suspend is true; Kueue (queue {q}) sets it to false when it admits the job")
+            }
+            None => "spec.runPolicy.suspend is true; set it to false to resume".to_string(),
+        };
+        if self.old.phase != Phase::Suspended {
+            // A gang that had pods is torn down for good: its epoch's token is retired so that
+            // none of its ranks can join the resumed gang.
+            if conditions::is_true(&self.old.conditions, conditions::PODS_CREATED) {
+                self.st.epoch = epoch + 1;
+            }
+            self.st.start_time = None;
+            self.event(false, reasons::SUSPENDED, "Suspend", format!("deleting the pods: {message}"));
+        }
+        self.set_phase(Phase::Suspended, Some(conditions::SUSPENDED), reasons::SUSPENDED, &message);
+        self.clear_ready();
+        self.st.observed_generation = self.generation;
+        self.tear_down();
+        self.finish(None)
+    }
+
+    /// A finished or failed transition from the active state: status, then tear-down.
+    fn end(mut self, phase: Phase, reason: &str, message: String, warning: bool) -> Decision {
+        let true_type = if phase == Phase::Succeeded { conditions::SUCCEEDED } else { conditions::FAILED };
+        self.set_phase(phase, Some(true_type), reason, &message);
+        self.clear_ready();
+        self.st.completion_time = Some(Time(self.now));
+        self.st.observed_generation = self.generation;
+        self.event(warning, reason, if warning { "FailJob" } else { "CompleteJob" }, message);
+        self.tear_down();
+        // The next reconcile (our own status write triggers it) handles the TTL.
+        self.finish(None)
+    }
+
+    /// Tears the gang down for a new epoch: status first, then every pod, then `extra`.
+    fn restart(mut self, new_epoch: u32, reason: &str, message: String, extra: Vec<Step>) -> Decision {
+        self.st.epoch = new_epoch;
+        self.set_phase(Phase::Restarting, Some(conditions::RESTARTING), reason, &message);
+        self.set(conditions::PODS_CREATED, false, reasons::RESTARTING, "deleting the pods of the previous epoch");
+        self.clear_ready();
+        self.st.observed_generation = self.generation;
+        self.write_status();
+        let live = self.live_pods();
+        if !live.is_empty() {
+            self.steps.push(Step::DeletePods(live));
+        }
+        self.steps.extend(extra);
+        self.finish(Some(WAIT_FOR_PODS))
+    }
+
+    fn active(mut self, epoch: u32, desired: Desired) -> Decision {
+        let job = self.job;
+        let policy = &job.spec.run_policy;
+        let created = conditions::is_true(&self.old.conditions, conditions::PODS_CREATED) && self.old.epoch == epoch;
+        let current: Vec<ObservedPod> = self.observed.iter().filter(|p| p.epoch == Some(epoch)).cloned().collect();
+
+        // A spec change that shapes pods: a gang cannot change pod by pod, so it restarts with
+        // the new spec. Not a failure; restarts is unchanged. Changes to runPolicy only (deadline,
+        // TTL, backoffLimit) keep the gang; so does an operator upgrade (same generation).
+        let hash = spec_hash(&job.spec);
+        if self.old.observed_generation.is_some()
+            && self.old.observed_generation != self.generation
+            && current.iter().any(|p| !p.terminating && p.spec_hash.as_deref() != Some(hash.as_str()))
+        {
+            let gangs = [GangScheduler::Volcano, GangScheduler::Coscheduling]
+                .into_iter()
+                .filter(|g| *g != job.spec.scheduling.gang)
+                .collect();
+            let message = format!(
+                "the spec changed (generation {} to {}); restarting the gang with epoch {}",
+                self.old.observed_generation.unwrap_or_default(),
+                self.generation.unwrap_or_default(),
+                epoch + 1
+            );
+            self.event(false, reasons::SPEC_CHANGED, "RestartGang", message.clone());
+            return self.restart(epoch + 1, reasons::SPEC_CHANGED, message, vec![Step::DeletePodGroups(gangs)]);
+        }
+
+        if let Some(c) = current.iter().find(|p| p.coordinator && p.succeeded) {
+            let message = format!("the coordinator (pod {}) finished every step and exited 0", c.name);
+            return self.end(Phase::Succeeded, reasons::COORDINATOR_SUCCEEDED, message, false);
+        }
+
+        let deadline = match (policy.active_deadline_seconds, self.old.start_time.as_ref()) {
+            (Some(limit), Some(start)) => Some((limit, start.0, start.0.as_second().saturating_add(limit as i64))),
+            _ => None,
+        };
+        if let Some((limit, start, at)) = deadline
+            && self.now.as_second() >= at
+        {
+            let message =
+                format!("the job was active longer than activeDeadlineSeconds={limit} (it started at {start})");
+            return self.end(Phase::Failed, reasons::DEADLINE_EXCEEDED, message, true);
+        }
+
+        // Failures of the current epoch; a pod that is gone after its epoch was created was
+        // deleted. Pods of other epochs never count.
+        let mut failures: Vec<(String, PodFailure)> =
+            current.iter().filter_map(|p| p.failure.clone().map(|f| (p.name.clone(), f))).collect();
+        if created {
+            for p in &desired.pods {
+                let name = p.metadata.name.clone().unwrap_or_default();
+                if !current.iter().any(|c| c.name == name) {
+                    let failure =
+                        PodFailure { kind: FailureKind::PodDeleted, detail: "the pod is gone".into(), at: None };
+                    failures.push((name, failure));
+                }
+            }
+        }
+        if !failures.is_empty() {
+            failures.sort_by(|a, b| (a.1.at.is_none(), a.1.at, &a.0).cmp(&(b.1.at.is_none(), b.1.at, &b.0)));
+            let (pod, first) = &failures[0];
+            let more = match failures.len() - 1 {
+                0 => String::new(),
+                1 => " (and 1 more pod failed)".into(),
+                n => format!(" (and {n} more pods failed)"),
+            };
+            let summary = format!("pod {pod}: {}{more}", first.detail);
+            let limit = policy.backoff_limit;
+            if self.old.restarts < limit {
+                let kind = first.kind;
+                self.st.restarts = self.old.restarts + 1;
+                let message = format!("{summary}; gang restart {}/{limit} with epoch {}", self.st.restarts, epoch + 1);
+                self.restart = Some(kind);
+                self.event(true, "GangRestart", "RestartGang", message.clone());
+                return self.restart(epoch + 1, kind.reason(), message, Vec::new());
+            }
+            let message = format!("{summary}; backoffLimit {limit} reached after {} restarts", self.old.restarts);
+            return self.end(Phase::Failed, reasons::BACKOFF_LIMIT_EXCEEDED, message, true);
+        }
+
+        // From here on the gang lives: its objects are applied every time (drift is repaired),
+        // pods of other epochs are deleted, and the pods are created once.
+        self.st.observed_generation = self.generation;
+        self.st.completion_time = None;
+        let resumed = self.old.phase == Phase::Suspended;
+        let mut objects = desired.clone();
+        objects.pods = Vec::new();
+        self.steps.push(Step::ApplyObjects(Box::new(objects)));
+        let stale: Vec<PodRef> = self
+            .observed
+            .iter()
+            .filter(|p| p.epoch != Some(epoch) && !p.terminating)
+            .map(|p| PodRef { name: p.name.clone(), uid: p.uid.clone() })
+            .collect();
+        let old_left = self.observed.iter().filter(|p| p.epoch != Some(epoch)).count();
+
+        let mut requeue = RESYNC;
+        if !created && old_left > 0 {
+            // Pod names are the same in every epoch: the new pods can only be created once the
+            // old ones are gone.
+            self.st.phase = if self.old.phase == Phase::Restarting { Phase::Restarting } else { Phase::Pending };
+            self.set(
+                conditions::PODS_CREATED,
+                false,
+                reasons::WAITING_FOR_OLD_PODS,
+                &format!("waiting for {old_left} pods of an earlier epoch to terminate"),
+            );
+            let phase = self.st.phase.as_str();
+            for t in [conditions::PODS_READY, conditions::RUNNING, conditions::SUCCEEDED, conditions::FAILED] {
+                self.set(t, false, phase, "");
+            }
+            // While restarting, Restarting=True keeps the reason and message of the restart.
+            if self.st.phase != Phase::Restarting {
+                self.set(conditions::RESTARTING, false, phase, "");
+            }
+            self.set(conditions::SUSPENDED, false, if resumed { reasons::RESUMED } else { phase }, "");
+            if resumed {
+                self.event(false, reasons::RESUMED, "Resume", "spec.runPolicy.suspend is false".into());
+            }
+            requeue = WAIT_FOR_PODS;
+        } else if !created {
+            let missing: Vec<Pod> = desired
+                .pods
+                .iter()
+                .filter(|p| !current.iter().any(|c| Some(&c.name) == p.metadata.name.as_ref()))
+                .cloned()
+                .collect();
+            if !missing.is_empty() {
+                self.steps.push(Step::CreatePods(missing));
+            }
+            self.st.phase = Phase::Starting;
+            self.st.start_time = self.st.start_time.clone().or(Some(Time(self.now)));
+            let n = desired.pods.len();
+            self.set(
+                conditions::PODS_CREATED,
+                true,
+                reasons::PODS_CREATED,
+                &format!("created {n} pods for epoch {epoch}"),
+            );
+            let restarted = self.old.phase == Phase::Restarting;
+            self.set(conditions::RESTARTING, false, if restarted { reasons::RESTARTED } else { "Starting" }, "");
+            self.set(conditions::SUSPENDED, false, if resumed { reasons::RESUMED } else { "Starting" }, "");
+            self.set(conditions::SUCCEEDED, false, "Starting", "");
+            self.set(conditions::FAILED, false, "Starting", "");
+            if resumed {
+                self.event(false, reasons::RESUMED, "Resume", "spec.runPolicy.suspend is false".into());
+            }
+            self.event(false, reasons::PODS_CREATED, "CreatePods", format!("created {n} pods for epoch {epoch}"));
+        }
+
+        // Readiness, per role and as a whole.
+        let ready = |name: &str| current.iter().any(|c| c.name == name && c.ready);
+        let mut counts = [RoleCounts::default(); 3];
+        let mut all_ready = !desired.pods.is_empty();
+        for p in &desired.pods {
+            let name = p.metadata.name.as_deref().unwrap_or_default();
+            let role = p.metadata.labels.as_ref().and_then(|l| l.get(labels::ROLE)).map(String::as_str);
+            let i = match role {
+                Some("gen") => 1,
+                Some("tq") => 2,
+                _ => 0,
+            };
+            counts[i].total += 1;
+            if ready(name) {
+                counts[i].ready += 1;
+            } else {
+                all_ready = false;
+            }
+        }
+        [self.st.roles.trainer, self.st.roles.generation, self.st.roles.storage] = counts;
+        let n_ready: u32 = counts.iter().map(|c| c.ready).sum();
+        let n = desired.pods.len();
+        if self.st.phase == Phase::Starting || self.st.phase == Phase::Running {
+            if all_ready {
+                self.set(conditions::PODS_READY, true, reasons::ALL_PODS_READY, &format!("{n}/{n} pods ready"));
+            } else {
+                self.set(conditions::PODS_READY, false, reasons::PODS_NOT_READY, &format!("{n_ready}/{n} pods ready"));
+            }
+            // Running is sticky within an epoch: a pod that goes unready (or a rank that finished
+            // before the coordinator) does not make a running gang "starting" again.
+            if all_ready || self.old.phase == Phase::Running {
+                if self.old.phase != Phase::Running {
+                    self.event(false, "Running", "StartGang", format!("all {n} pods of epoch {epoch} are ready"));
+                }
+                self.st.phase = Phase::Running;
+                self.set(
+                    conditions::RUNNING,
+                    true,
+                    reasons::ALL_PODS_READY,
+                    &format!("all {n} pods of epoch {epoch} became ready"),
+                );
+            } else {
+                self.set(conditions::RUNNING, false, "Starting", "");
+            }
+        }
+        self.write_status();
+        if !stale.is_empty() {
+            self.steps.push(Step::DeletePods(stale));
+        }
+        if let Some((_, _, at)) = deadline {
+            requeue = requeue.min(secs(at - self.now.as_second()));
+        }
+        self.finish(Some(requeue))
+    }
+}
+
+/// The status after a failure to create the pods or their objects: PodsCreated=False/CreateFailed
+/// with the error (the executor writes it, then retries with backoff).
+pub fn create_failed(job: &RLJob, error: &str, now: Timestamp) -> Option<RLJobStatus> {
+    let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
+    let old = operator_status(job.status.as_ref());
+    let mut st = old.clone();
+    let message = truncate(error.to_string(), 4096);
+    conditions::set(
+        &mut st.conditions,
+        conditions::PODS_CREATED,
+        false,
+        reasons::CREATE_FAILED,
+        &message,
+        job.metadata.generation,
+        now,
+    );
+    (st != old).then_some(st)
+}

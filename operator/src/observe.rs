@@ -1,0 +1,199 @@
+//! What the operator reads from a live pod: its epoch, role, readiness, and whether (and why) it
+//! failed. Pure: no I/O, so the gang rules in [`crate::decide`] can be tested on plain `Pod`s.
+
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::desired::{SPEC_HASH_ANNOTATION, labels};
+
+/// Why a pod counts as failed. Each kind is also the reason of the `Restarting` condition and the
+/// `reason` label of `rlplane_operator_restarts_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FailureKind {
+    /// The pod's phase is Failed (and no container says more).
+    PodFailed,
+    /// A container terminated with a non-zero exit code, or a (sidecar) container restarted.
+    ContainerFailed,
+    /// The kubelet evicted the pod, or it was preempted, drained or hit by a taint
+    /// (phase Failed with reason Evicted, or a `DisruptionTarget` condition).
+    PodEvicted,
+    /// The pod was deleted while the job ran (terminating, or gone after it was created).
+    PodDeleted,
+}
+
+impl FailureKind {
+    /// The condition reason (CamelCase).
+    pub fn reason(self) -> &'static str {
+        match self {
+            FailureKind::PodFailed => "PodFailed",
+            FailureKind::ContainerFailed => "ContainerFailed",
+            FailureKind::PodEvicted => "PodEvicted",
+            FailureKind::PodDeleted => "PodDeleted",
+        }
+    }
+
+    /// Every kind, for metrics.
+    pub const ALL: [FailureKind; 4] =
+        [FailureKind::PodFailed, FailureKind::ContainerFailed, FailureKind::PodEvicted, FailureKind::PodDeleted];
+}
+
+/// A failed pod: the kind, a human-readable detail, and when it happened (the earliest failure of
+/// a gang is usually the cause; the others are ranks that lost their peers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodFailure {
+    /// What kind of failure.
+    pub kind: FailureKind,
+    /// What happened, e.g. `container rlplane-worker exited with code 137 (OOMKilled)`.
+    pub detail: String,
+    /// When, where the pod says.
+    pub at: Option<Timestamp>,
+}
+
+/// The facts the operator uses about one pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObservedPod {
+    /// Pod name.
+    pub name: String,
+    /// Pod uid (a delete is conditioned on it, so a newer pod of the same name is never hit).
+    pub uid: Option<String>,
+    /// The `rlplane.dev/epoch` label, when it parses.
+    pub epoch: Option<u32>,
+    /// The `rlplane.dev/role` label (`trainer`, `gen`, `tq`).
+    pub role: Option<String>,
+    /// Whether the pod runs the coordinator (`rlplane.dev/coordinator=true`).
+    pub coordinator: bool,
+    /// The pod's Ready condition is True (and it is not terminating).
+    pub ready: bool,
+    /// Phase Succeeded: every container exited 0.
+    pub succeeded: bool,
+    /// The pod has a deletionTimestamp.
+    pub terminating: bool,
+    /// The spec hash the pod was built from ([`SPEC_HASH_ANNOTATION`]).
+    pub spec_hash: Option<String>,
+    /// Why the pod failed, if it did.
+    pub failure: Option<PodFailure>,
+}
+
+/// Whether `pod` is controlled by the RLJob with `uid` (a user's pod that merely carries the
+/// `rlplane.dev/job` label is never touched).
+pub fn owned_by(pod: &Pod, uid: &str) -> bool {
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.uid == uid && o.controller == Some(true) && o.kind == "RLJob")
+}
+
+/// Reads the facts of one pod.
+pub fn observe(pod: &Pod) -> ObservedPod {
+    let meta = &pod.metadata;
+    let label = |k: &str| meta.labels.as_ref().and_then(|l| l.get(k)).cloned();
+    let status = pod.status.as_ref();
+    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+    let terminating = meta.deletion_timestamp.is_some();
+    let ready = !terminating
+        && status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    ObservedPod {
+        name: meta.name.clone().unwrap_or_default(),
+        uid: meta.uid.clone(),
+        epoch: label(labels::EPOCH).and_then(|e| e.parse().ok()),
+        role: label(labels::ROLE),
+        coordinator: label(labels::COORDINATOR).as_deref() == Some("true"),
+        ready,
+        succeeded: phase == "Succeeded",
+        terminating,
+        spec_hash: meta.annotations.as_ref().and_then(|a| a.get(SPEC_HASH_ANNOTATION)).cloned(),
+        failure: failure(pod, phase),
+    }
+}
+
+fn failure(pod: &Pod, phase: &str) -> Option<PodFailure> {
+    // A pod that succeeded did not fail, even when a native sidecar was stopped with SIGTERM
+    // (the kubelet ignores sidecars' exit codes for the pod's phase, and so do we).
+    if phase == "Succeeded" {
+        return None;
+    }
+    let status = pod.status.as_ref();
+    let containers: Vec<&ContainerStatus> = status
+        .into_iter()
+        .flat_map(|s| s.init_container_statuses.iter().flatten().chain(s.container_statuses.iter().flatten()))
+        .collect();
+    let crashed = containers.iter().find_map(|c| crashed_container(c));
+    if phase == "Failed" {
+        let reason = status.and_then(|s| s.reason.clone()).unwrap_or_default();
+        let message = status.and_then(|s| s.message.clone()).unwrap_or_default();
+        if reason == "Evicted" {
+            return Some(PodFailure {
+                kind: FailureKind::PodEvicted,
+                detail: join("evicted", &message),
+                at: crashed.and_then(|(_, at)| at),
+            });
+        }
+        return Some(match crashed {
+            Some((detail, at)) => PodFailure { kind: FailureKind::ContainerFailed, detail, at },
+            None => PodFailure {
+                kind: FailureKind::PodFailed,
+                detail: join(
+                    &format!("phase Failed{}", if reason.is_empty() { String::new() } else { format!(" ({reason})") }),
+                    &message,
+                ),
+                at: None,
+            },
+        });
+    }
+    // A running pod with more than one container stays Running after one of them dies: a rank is
+    // gone either way.
+    if let Some((detail, at)) = crashed {
+        return Some(PodFailure { kind: FailureKind::ContainerFailed, detail, at });
+    }
+    // Preemption, the Eviction API, taint eviction and node shutdown mark the pod first.
+    if let Some(c) = status
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "DisruptionTarget" && c.status == "True"))
+    {
+        let what = c.reason.clone().unwrap_or_else(|| "DisruptionTarget".into());
+        return Some(PodFailure {
+            kind: FailureKind::PodEvicted,
+            detail: join(&format!("disrupted ({what})"), c.message.as_deref().unwrap_or_default()),
+            at: c.last_transition_time.as_ref().map(|t| t.0),
+        });
+    }
+    if let Some(t) = &pod.metadata.deletion_timestamp {
+        return Some(PodFailure { kind: FailureKind::PodDeleted, detail: "the pod was deleted".into(), at: Some(t.0) });
+    }
+    None
+}
+
+/// A container that terminated non-zero, or restarted (only native sidecars can: pods run with
+/// restartPolicy Never), with a detail and when it happened.
+fn crashed_container(c: &ContainerStatus) -> Option<(String, Option<Timestamp>)> {
+    if let Some(t) = c.state.as_ref().and_then(|s| s.terminated.as_ref())
+        && t.exit_code != 0
+    {
+        let why = t.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
+        return Some((
+            join(
+                &format!("container {} exited with code {}{why}", c.name, t.exit_code),
+                t.message.as_deref().unwrap_or(""),
+            ),
+            t.finished_at.as_ref().map(|t| t.0),
+        ));
+    }
+    if c.restart_count > 0 {
+        let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+        let code = last.map(|t| format!(", last exit code {}", t.exit_code)).unwrap_or_default();
+        let why = last.and_then(|t| t.reason.as_deref()).map(|r| format!(" ({r})")).unwrap_or_default();
+        return Some((
+            format!("container {} restarted {} times{code}{why}", c.name, c.restart_count),
+            last.and_then(|t| t.finished_at.as_ref()).map(|t| t.0),
+        ));
+    }
+    None
+}
+
+fn join(what: &str, message: &str) -> String {
+    let message = message.trim();
+    if message.is_empty() { what.to_string() } else { format!("{what}: {message}") }
+}

@@ -1,0 +1,236 @@
+//! `rlplane-operator run`: the controller, leader election, the HTTP endpoints and shutdown.
+//!
+//! Only the replica holding the Lease reconciles; the others wait, serve `/healthz`, `/readyz` and
+//! `/metrics`, and take over when the lease expires or is released. SIGTERM (or Ctrl-C) stops the
+//! controller gracefully (in-flight reconciles finish), releases the lease so that another
+//! replica takes over at once, and stops the HTTP server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::runtime::controller::{self, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use kube_lease_manager::LeaseManagerBuilder;
+use prometheus_client::registry::Registry;
+use rlplane_api::RLJob;
+use tokio::sync::watch;
+use tracing::{error, info, warn};
+
+use crate::desired::{OperatorConfig, labels};
+use crate::metrics::{JobsByPhase, Metrics, PREFIX};
+use crate::reconcile::{Clock, Context, error_policy, reconcile};
+use crate::server::{Health, router};
+
+/// Name of the controller in Events (`reportingController`).
+pub const CONTROLLER_NAME: &str = "rlplane.dev/operator";
+
+/// Options of `rlplane-operator run`.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Settings that shape pods.
+    pub config: OperatorConfig,
+    /// Watch only this namespace (None: every namespace).
+    pub namespace: Option<String>,
+    /// Address of `/healthz`, `/readyz` and `/metrics`.
+    pub metrics_addr: SocketAddr,
+    /// Elect a leader through a Lease (false: reconcile at once; for a single replica or tests).
+    pub leader_election: bool,
+    /// Name of the Lease.
+    pub lease_name: String,
+    /// Namespace of the Lease.
+    pub lease_namespace: String,
+    /// This replica's identity in the Lease and in Events.
+    pub identity: String,
+    /// Seconds a lease stays valid without renewal.
+    pub lease_duration_seconds: u64,
+    /// Seconds before expiry the holder renews.
+    pub lease_grace_seconds: u64,
+    /// RLJobs reconciled at once.
+    pub concurrency: u16,
+}
+
+/// Runs the operator until SIGTERM or Ctrl-C.
+pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        info!("shutdown requested");
+        let _ = shutdown_tx.send(true);
+    });
+    run_until(opts, shutdown_rx).await
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the operator");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Resolves once `rx` holds true (or its sender is gone).
+async fn wait_true(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|v| *v).await;
+}
+
+/// Runs the operator until `shutdown` becomes true.
+pub async fn run_until(opts: RunOptions, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+    let mut registry = Registry::with_prefix(PREFIX);
+    let jobs_by_phase = JobsByPhase::default();
+    let metrics = Metrics::register(&mut registry, jobs_by_phase.clone());
+    let health = Arc::new(Health::default());
+
+    let listener = tokio::net::TcpListener::bind(opts.metrics_addr)
+        .await
+        .with_context(|| format!("cannot listen on --metrics-addr {}; pick a free address", opts.metrics_addr))?;
+    info!(addr = %listener.local_addr()?, "serving /healthz, /readyz and /metrics");
+    let app = router(Arc::new(registry), health.clone());
+    let mut server_shutdown = shutdown.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(async move { wait_true(&mut server_shutdown).await }).await
+    });
+
+    let client = Client::try_default()
+        .await
+        .context("cannot build a Kubernetes client: set KUBECONFIG, or run in a pod with a ServiceAccount")?;
+    let version = client.apiserver_version().await.context("cannot reach the Kubernetes API server")?;
+    info!(version = %version.git_version, "connected to the API server");
+
+    // Leadership: a channel that is true while this replica may reconcile.
+    // Without election the channel stays true; its sender lives as long as the run.
+    let mut always_leader = None;
+    let (mut leader_rx, lease_task) = if opts.leader_election {
+        let manager = LeaseManagerBuilder::new(client.clone(), &opts.lease_name)
+            .with_namespace(&opts.lease_namespace)
+            .with_identity(&opts.identity)
+            .with_duration(opts.lease_duration_seconds)
+            .with_grace(opts.lease_grace_seconds)
+            .with_field_manager(format!("rlplane-operator-lease-{}", opts.identity))
+            .build()
+            .await
+            .with_context(|| format!("cannot use Lease {}/{}", opts.lease_namespace, opts.lease_name))?;
+        let (rx, task) = manager.watch().await;
+        info!(lease = %format!("{}/{}", opts.lease_namespace, opts.lease_name), identity = %opts.identity, "leader election started");
+        (rx, Some(task))
+    } else {
+        let (tx, rx) = watch::channel(true);
+        always_leader = Some(tx);
+        (rx, None)
+    };
+    health.set_ready(true);
+
+    let reporter = Reporter { controller: CONTROLLER_NAME.into(), instance: Some(opts.identity.clone()) };
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        opts.config.clone(),
+        Recorder::new(client.clone(), reporter),
+        metrics.clone(),
+        Clock::System,
+    ));
+
+    loop {
+        tokio::select! {
+            _ = wait_true(&mut shutdown) => break,
+            _ = leader_rx.wait_for(|leader| *leader) => {}
+        }
+        if *shutdown.borrow() {
+            break;
+        }
+        info!("leading: reconciling RLJobs");
+        metrics.leader.set(1);
+        let controller = build_controller(&client, opts.namespace.as_deref(), opts.concurrency);
+        jobs_by_phase.set_store(Some(controller.store()));
+        let mut stop_leader = leader_rx.clone();
+        let mut stop_shutdown = shutdown.clone();
+        controller
+            .graceful_shutdown_on(async move {
+                tokio::select! {
+                    _ = stop_leader.wait_for(|leader| !*leader) => warn!("lost the lease: stopping the controller"),
+                    _ = wait_true(&mut stop_shutdown) => {},
+                }
+            })
+            .run(reconcile, error_policy, ctx.clone())
+            .for_each(|result| async move {
+                if let Err(e) = result {
+                    // ObjectNotFound after a deletion is normal; the rest is logged by reconcile.
+                    tracing::debug!(error = %e, "controller");
+                }
+            })
+            .await;
+        jobs_by_phase.set_store(None);
+        metrics.leader.set(0);
+        if *shutdown.borrow() {
+            break;
+        }
+    }
+
+    health.set_ready(false);
+    drop(always_leader);
+    if let Some(task) = lease_task {
+        // Dropping the receiver makes the lease task release the lease and end.
+        drop(leader_rx);
+        match tokio::time::timeout(Duration::from_secs(10), task).await {
+            Ok(Ok(Ok(_))) => info!("lease released"),
+            Ok(Ok(Err(e))) => warn!(error = %e, "cannot release the lease; it expires on its own"),
+            Ok(Err(e)) => warn!(error = %e, "lease task failed"),
+            Err(_) => warn!("releasing the lease timed out; it expires on its own"),
+        }
+    }
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => error!(error = %e, "HTTP server failed"),
+        Err(e) => error!(error = %e, "HTTP server task failed"),
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// The Controller on RLJobs, owning every kind of object the operator creates. Children are
+/// watched by label (`rlplane.dev/job`) and as metadata only, so the operator caches nothing but
+/// RLJobs. PodGroups are not watched: their API may be absent, and nothing about them changes a
+/// decision.
+pub fn build_controller(client: &Client, namespace: Option<&str>, concurrency: u16) -> Controller<RLJob> {
+    fn api<K>(client: &Client, ns: Option<&str>) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        match ns {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let children = watcher::Config::default().labels(labels::JOB);
+    Controller::new(api::<RLJob>(client, namespace), watcher::Config::default())
+        .owns(api::<Pod>(client, namespace), children.clone())
+        .owns(api::<Service>(client, namespace), children.clone())
+        .owns(api::<ConfigMap>(client, namespace), children.clone())
+        .owns(api::<ServiceAccount>(client, namespace), children.clone())
+        .owns(api::<Role>(client, namespace), children.clone())
+        .owns(api::<RoleBinding>(client, namespace), children)
+        // Bursts (64 pods turning ready) collapse into few reconciles.
+        .with_config(controller::Config::default().concurrency(concurrency).debounce(Duration::from_millis(100)))
+}

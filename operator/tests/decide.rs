@@ -1,0 +1,735 @@
+//! The operator's decisions, pure: gang semantics, lifecycle, status and Events, driven through
+//! whole scenarios on an in-memory cluster (no API server).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{
+    ContainerState, ContainerStateTerminated, ContainerStatus, Pod, PodCondition, PodStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use rlplane_api::{LastRefit, Phase, RLJob, RLJobStatus, RoleCounts, load_rljob};
+use rlplane_operator::conditions::{self, reasons};
+use rlplane_operator::decide::{Decision, RESYNC, Step, WAIT_FOR_PODS, create_failed, decide};
+use rlplane_operator::desired::{OperatorConfig, labels};
+use rlplane_operator::observe::FailureKind;
+
+const UID: &str = "6f1c-uid";
+
+fn job(file: &str) -> RLJob {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests").join(file)).unwrap();
+    let mut job = load_rljob(&text).unwrap();
+    job.metadata.namespace = Some("ml".into());
+    job.metadata.uid = Some(UID.into());
+    job.metadata.generation = Some(1);
+    job
+}
+
+fn cfg() -> OperatorConfig {
+    OperatorConfig { worker_image: "rlplane-worker:test".into(), image_pull_policy: None }
+}
+
+fn t(s: i64) -> Timestamp {
+    Timestamp::from_second(1_800_000_000 + s).unwrap()
+}
+
+/// A cluster in memory: the job, its pods, and what the decisions did to them.
+struct Sim {
+    job: RLJob,
+    pods: Vec<Pod>,
+    now: Timestamp,
+    next_uid: u32,
+    deleted_job: bool,
+    deleted_objects: u32,
+}
+
+impl Sim {
+    fn new(job: RLJob) -> Sim {
+        Sim { job, pods: Vec::new(), now: t(0), next_uid: 0, deleted_job: false, deleted_objects: 0 }
+    }
+
+    /// Decides and applies the decision's effects the way the API server would: pods created
+    /// Pending, deleted pods terminating (gone after `kubelet_gc`), status written.
+    fn step(&mut self) -> Decision {
+        let d = decide(&self.job, &self.pods, self.now, &cfg());
+        for s in &d.steps {
+            match s {
+                Step::CreatePods(pods) => {
+                    for p in pods {
+                        let mut p = p.clone();
+                        assert!(!self.pods.iter().any(|x| x.metadata.name == p.metadata.name), "name clash");
+                        self.next_uid += 1;
+                        p.metadata.uid = Some(format!("pod-uid-{}", self.next_uid));
+                        p.status = Some(PodStatus { phase: Some("Pending".into()), ..Default::default() });
+                        self.pods.push(p);
+                    }
+                }
+                Step::DeletePods(refs) => {
+                    for r in refs {
+                        let p = self.pods.iter_mut().find(|p| p.metadata.name.as_ref() == Some(&r.name)).unwrap();
+                        assert_eq!(p.metadata.uid, r.uid, "deletes are conditioned on the uid");
+                        p.metadata.deletion_timestamp = Some(Time(self.now));
+                    }
+                }
+                Step::WriteStatus(st) => {
+                    assert_eq!((st.step, &st.last_refit), (None, &None), "the operator never writes step/lastRefit");
+                    let old = self.job.status.take().unwrap_or_default();
+                    self.job.status =
+                        Some(RLJobStatus { step: old.step, last_refit: old.last_refit, ..(**st).clone() });
+                }
+                Step::DeleteJob => self.deleted_job = true,
+                Step::DeleteObjects => self.deleted_objects += 1,
+                Step::ApplyObjects(_) | Step::DeletePodGroups(_) | Step::Publish(_) => {}
+            }
+        }
+        d
+    }
+
+    /// Terminating pods disappear.
+    fn kubelet_gc(&mut self) {
+        self.pods.retain(|p| p.metadata.deletion_timestamp.is_none());
+    }
+
+    fn pod(&mut self, name: &str) -> &mut Pod {
+        self.pods.iter_mut().find(|p| p.metadata.name.as_deref() == Some(name)).unwrap()
+    }
+
+    fn set_all_ready(&mut self) {
+        for p in &mut self.pods {
+            set_ready(p, true);
+        }
+    }
+
+    fn status(&self) -> &RLJobStatus {
+        self.job.status.as_ref().unwrap()
+    }
+
+    fn condition(&self, type_: &str) -> (String, String, String) {
+        let c = conditions::find(&self.status().conditions, type_).unwrap_or_else(|| panic!("no {type_}"));
+        (c.status.clone(), c.reason.clone(), c.message.clone())
+    }
+
+    /// Brings a job to Running at epoch 0.
+    fn running(job: RLJob) -> Sim {
+        let mut sim = Sim::new(job);
+        sim.step();
+        sim.set_all_ready();
+        sim.now = t(30);
+        sim.step();
+        assert_eq!(sim.status().phase, Phase::Running);
+        sim
+    }
+}
+
+fn set_ready(p: &mut Pod, ready: bool) {
+    let st = p.status.get_or_insert_with(Default::default);
+    st.phase = Some("Running".into());
+    st.conditions = Some(vec![PodCondition {
+        type_: "Ready".into(),
+        status: if ready { "True" } else { "False" }.into(),
+        ..Default::default()
+    }]);
+}
+
+fn terminated(name: &str, code: i32, reason: &str, at: i64) -> ContainerStatus {
+    ContainerStatus {
+        name: name.into(),
+        state: Some(ContainerState {
+            terminated: Some(ContainerStateTerminated {
+                exit_code: code,
+                reason: Some(reason.into()),
+                finished_at: Some(Time(t(at))),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn fail_container(p: &mut Pod, code: i32, reason: &str, at: i64) {
+    let st = p.status.get_or_insert_with(Default::default);
+    st.phase = Some("Failed".into());
+    st.container_statuses = Some(vec![terminated("rlplane-worker", code, reason, at)]);
+}
+
+fn steps(d: &Decision) -> Vec<&'static str> {
+    d.steps
+        .iter()
+        .map(|s| match s {
+            Step::ApplyObjects(_) => "ApplyObjects",
+            Step::CreatePods(_) => "CreatePods",
+            Step::WriteStatus(_) => "WriteStatus",
+            Step::DeletePods(_) => "DeletePods",
+            Step::DeleteObjects => "DeleteObjects",
+            Step::DeletePodGroups(_) => "DeletePodGroups",
+            Step::DeleteJob => "DeleteJob",
+            Step::Publish(_) => "Publish",
+        })
+        .collect()
+}
+
+fn event_reasons(d: &Decision) -> Vec<String> {
+    d.events().map(|e| e.reason.clone()).collect()
+}
+
+fn pod_names(d: &Decision) -> Vec<String> {
+    d.steps
+        .iter()
+        .flat_map(|s| match s {
+            Step::CreatePods(p) => p.iter().map(|p| p.metadata.name.clone().unwrap()).collect(),
+            Step::DeletePods(p) => p.iter().map(|p| p.name.clone()).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_new_job_gets_its_objects_then_its_pods_then_status_starting() {
+    let mut sim = Sim::new(job("rljob-cpu.yaml"));
+    let d = sim.step();
+    assert_eq!(steps(&d), ["ApplyObjects", "CreatePods", "WriteStatus", "Publish"]);
+    assert_eq!(pod_names(&d), ["grpo-cpu-trainer-0", "grpo-cpu-gen-0", "grpo-cpu-gen-1"]);
+    let st = sim.status();
+    assert_eq!((st.phase, st.epoch, st.restarts, st.observed_generation), (Phase::Starting, 0, 0, Some(1)));
+    assert_eq!(st.start_time, Some(Time(t(0))));
+    assert_eq!(st.roles.trainer, RoleCounts { ready: 0, total: 1 });
+    assert_eq!(st.roles.generation, RoleCounts { ready: 0, total: 2 });
+    assert_eq!(
+        sim.condition(conditions::PODS_CREATED),
+        ("True".into(), "PodsCreated".into(), "created 3 pods for epoch 0".into())
+    );
+    assert_eq!(sim.condition(conditions::PODS_READY).0, "False");
+    // Every condition is present from the first write, so `kubectl wait` works on any of them.
+    let types: Vec<_> = st.conditions.iter().map(|c| c.type_.as_str()).collect();
+    assert_eq!(types, conditions::ALL);
+    assert_eq!(event_reasons(&d), ["PodsCreated"]);
+    assert_eq!(d.requeue_after, Some(RESYNC));
+    // The applied objects are the job's: RBAC for the coordinator, Service, plan.
+    let Step::ApplyObjects(objects) = &d.steps[0] else { unreachable!() };
+    assert!(objects.pods.is_empty(), "pods are created separately, once");
+    assert_eq!(objects.role.metadata.name.as_deref(), Some("grpo-cpu-worker"));
+}
+
+#[test]
+fn nothing_changes_on_a_reconcile_that_observes_nothing_new() {
+    let mut sim = Sim::new(job("rljob-cpu.yaml"));
+    sim.step();
+    let before = sim.job.status.clone();
+    sim.now = t(100);
+    let d = sim.step();
+    // Only the idempotent apply of the objects: no status write (no value changes on every
+    // reconcile), no event, no pod created twice.
+    assert_eq!(steps(&d), ["ApplyObjects"]);
+    assert_eq!(sim.job.status, before);
+}
+
+#[test]
+fn all_pods_ready_makes_the_job_running_and_it_stays_running() {
+    let mut sim = Sim::new(job("rljob-cpu.yaml"));
+    sim.step();
+    set_ready(sim.pod("grpo-cpu-trainer-0"), true);
+    sim.now = t(10);
+    let d = sim.step();
+    assert_eq!(sim.status().phase, Phase::Starting);
+    assert_eq!(sim.condition(conditions::PODS_READY), ("False".into(), "PodsNotReady".into(), "1/3 pods ready".into()));
+    assert_eq!(steps(&d), ["ApplyObjects", "WriteStatus"]);
+    let ready_since =
+        conditions::find(&sim.status().conditions, conditions::PODS_READY).unwrap().last_transition_time.clone();
+
+    sim.set_all_ready();
+    sim.now = t(20);
+    let d = sim.step();
+    let st = sim.status();
+    assert_eq!(st.phase, Phase::Running);
+    assert_eq!(st.roles.generation, RoleCounts { ready: 2, total: 2 });
+    assert_eq!(sim.condition(conditions::RUNNING).0, "True");
+    assert_eq!(sim.condition(conditions::PODS_READY), ("True".into(), "AllPodsReady".into(), "3/3 pods ready".into()));
+    assert_eq!(event_reasons(&d), ["Running"]);
+    let c = conditions::find(&st.conditions, conditions::PODS_READY).unwrap();
+    assert_eq!(c.last_transition_time, Time(t(20)), "PodsReady flipped");
+    assert_ne!(c.last_transition_time, ready_since);
+    let created = conditions::find(&st.conditions, conditions::PODS_CREATED).unwrap();
+    assert_eq!(created.last_transition_time, Time(t(0)), "PodsCreated did not flip: its time stays");
+
+    // A pod going unready (or a rank finishing before the coordinator) does not stop Running.
+    set_ready(sim.pod("grpo-cpu-gen-1"), false);
+    sim.now = t(30);
+    let d = sim.step();
+    assert_eq!(sim.status().phase, Phase::Running);
+    assert_eq!(sim.condition(conditions::PODS_READY).2, "2/3 pods ready");
+    assert!(event_reasons(&d).is_empty());
+}
+
+#[test]
+fn a_failed_pod_restarts_the_whole_gang_with_a_new_epoch() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    sim.job.status.as_mut().unwrap().step = Some(7);
+    fail_container(sim.pod("grpo-cpu-gen-1"), 137, "OOMKilled", 40);
+    sim.now = t(45);
+    let d = sim.step();
+    // Status first (the intent survives a crash), then every pod of the gang.
+    assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "Publish"]);
+    assert_eq!(pod_names(&d), ["grpo-cpu-trainer-0", "grpo-cpu-gen-0", "grpo-cpu-gen-1"]);
+    assert_eq!(d.restart, Some(FailureKind::ContainerFailed));
+    let st = sim.status();
+    assert_eq!((st.phase, st.epoch, st.restarts), (Phase::Restarting, 1, 1));
+    assert_eq!(st.step, Some(7), "the coordinator's fields are untouched");
+    let (status, reason, message) = sim.condition(conditions::RESTARTING);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "ContainerFailed"));
+    assert_eq!(
+        message,
+        "pod grpo-cpu-gen-1: container rlplane-worker exited with code 137 (OOMKilled); gang restart 1/3 with epoch 1"
+    );
+    assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::RESTARTING);
+    let ev = d.events().next().unwrap();
+    assert!(ev.warning && ev.reason == "GangRestart" && ev.note.contains("grpo-cpu-gen-1"), "{ev:?}");
+    assert_eq!(d.requeue_after, Some(WAIT_FOR_PODS));
+
+    // The old pods are terminating: nothing new is created under their names, and the
+    // terminating pods of epoch 0 are not failures of epoch 1.
+    sim.now = t(46);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["ApplyObjects", "WriteStatus"]);
+    assert_eq!(sim.status().phase, Phase::Restarting);
+    assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::WAITING_FOR_OLD_PODS);
+    assert_eq!(sim.condition(conditions::RESTARTING).0, "True", "still restarting, with its message");
+    let Step::ApplyObjects(objects) = &d.steps[0] else { unreachable!() };
+    assert_eq!(objects.plan.job.epoch, 1, "the plan (and its token) of the new epoch is in place first");
+    assert_eq!(d.requeue_after, Some(WAIT_FOR_PODS));
+
+    // Once they are gone, the gang of epoch 1 is created.
+    sim.kubelet_gc();
+    sim.now = t(50);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["ApplyObjects", "CreatePods", "WriteStatus", "Publish"]);
+    assert!(sim.pods.iter().all(|p| p.metadata.labels.as_ref().unwrap()[labels::EPOCH] == "1"));
+    let st = sim.status();
+    assert_eq!((st.phase, st.epoch, st.restarts), (Phase::Starting, 1, 1));
+    assert_eq!(st.start_time, Some(Time(t(0))), "the deadline counts from the job's start, not the epoch's");
+    assert_eq!(sim.condition(conditions::RESTARTING).0, "False");
+    assert_eq!(sim.condition(conditions::RESTARTING).1, reasons::RESTARTED);
+}
+
+#[test]
+fn exhausting_the_backoff_limit_fails_the_job_naming_the_pod_and_the_reason() {
+    let mut j = job("rljob-cpu.yaml");
+    j.spec.run_policy.backoff_limit = 1;
+    let mut sim = Sim::running(j);
+    fail_container(sim.pod("grpo-cpu-trainer-0"), 1, "Error", 31);
+    sim.now = t(32);
+    sim.step();
+    assert_eq!(sim.status().restarts, 1);
+    sim.kubelet_gc();
+    sim.step();
+    sim.set_all_ready();
+    sim.step();
+    assert_eq!((sim.status().phase, sim.status().epoch), (Phase::Running, 1));
+
+    // The second failure is one too many.
+    let p = sim.pod("grpo-cpu-gen-0");
+    let st = p.status.get_or_insert_with(Default::default);
+    st.phase = Some("Failed".into());
+    st.reason = Some("Evicted".into());
+    st.message = Some("The node was low on resource: memory.".into());
+    sim.now = t(90);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "Publish"]);
+    assert_eq!(d.restart, None);
+    let st = sim.status();
+    assert_eq!((st.phase, st.restarts, st.epoch), (Phase::Failed, 1, 1));
+    assert_eq!(st.completion_time, Some(Time(t(90))));
+    let (status, reason, message) = sim.condition(conditions::FAILED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "BackoffLimitExceeded"));
+    assert_eq!(
+        message,
+        "pod grpo-cpu-gen-0: evicted: The node was low on resource: memory.; backoffLimit 1 reached after 1 restarts"
+    );
+    assert!(d.events().next().unwrap().warning);
+
+    // Final: the pods go, then the objects, then nothing more happens.
+    sim.kubelet_gc();
+    let d = sim.step();
+    assert_eq!(steps(&d), ["DeleteObjects", "WriteStatus"]);
+    assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::NO_PODS);
+    let d = sim.step();
+    assert!(d.steps.is_empty(), "{:?}", steps(&d));
+    assert_eq!(d.requeue_after, None);
+}
+
+#[test]
+fn the_earliest_failure_is_named_as_the_cause() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    // gen-0 died first; the trainer lost its peer afterwards.
+    fail_container(sim.pod("grpo-cpu-trainer-0"), 1, "Error", 42);
+    fail_container(sim.pod("grpo-cpu-gen-0"), 139, "Error", 40);
+    sim.now = t(50);
+    sim.step();
+    let message = sim.condition(conditions::RESTARTING).2;
+    assert!(
+        message.starts_with(
+            "pod grpo-cpu-gen-0: container rlplane-worker exited with code 139 (Error) (and 1 more pod failed)"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
+fn every_kind_of_pod_failure_restarts_the_gang() {
+    type Break = fn(&mut Pod);
+    let cases: [(&str, Break, FailureKind); 5] = [
+        (
+            "a container of a running pod terminated non-zero",
+            |p| {
+                let st = p.status.get_or_insert_with(Default::default);
+                st.container_statuses = Some(vec![terminated("vllm", 2, "Error", 1)]);
+            },
+            FailureKind::ContainerFailed,
+        ),
+        (
+            "the native sidecar restarted",
+            |p| {
+                let st = p.status.get_or_insert_with(Default::default);
+                st.init_container_statuses = Some(vec![ContainerStatus {
+                    name: "rlplane-worker".into(),
+                    restart_count: 1,
+                    ..Default::default()
+                }]);
+            },
+            FailureKind::ContainerFailed,
+        ),
+        (
+            "preempted (DisruptionTarget)",
+            |p| {
+                let st = p.status.get_or_insert_with(Default::default);
+                st.conditions.get_or_insert_with(Vec::new).push(PodCondition {
+                    type_: "DisruptionTarget".into(),
+                    status: "True".into(),
+                    reason: Some("PreemptionByScheduler".into()),
+                    ..Default::default()
+                });
+            },
+            FailureKind::PodEvicted,
+        ),
+        ("deleted by someone", |p| p.metadata.deletion_timestamp = Some(Time(t(31))), FailureKind::PodDeleted),
+        (
+            "phase Failed without container details",
+            |p| {
+                let st = p.status.get_or_insert_with(Default::default);
+                st.phase = Some("Failed".into());
+                st.reason = Some("UnexpectedAdmissionError".into());
+            },
+            FailureKind::PodFailed,
+        ),
+    ];
+    for (what, break_pod, kind) in cases {
+        let mut sim = Sim::running(job("rljob-cpu.yaml"));
+        break_pod(sim.pod("grpo-cpu-gen-1"));
+        let d = sim.step();
+        assert_eq!(d.restart, Some(kind), "{what}");
+        assert_eq!(sim.status().phase, Phase::Restarting, "{what}");
+        assert_eq!(sim.condition(conditions::RESTARTING).1, kind.reason(), "{what}");
+    }
+}
+
+#[test]
+fn a_pod_that_vanished_after_creation_counts_as_deleted() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    sim.pods.retain(|p| p.metadata.name.as_deref() != Some("grpo-cpu-gen-0"));
+    let d = sim.step();
+    assert_eq!(d.restart, Some(FailureKind::PodDeleted));
+    assert_eq!(pod_names(&d), ["grpo-cpu-trainer-0", "grpo-cpu-gen-1"]);
+    assert!(sim.condition(conditions::RESTARTING).2.starts_with("pod grpo-cpu-gen-0: the pod is gone"));
+}
+
+#[test]
+fn pods_of_another_epoch_are_deleted_and_never_counted() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    // A straggler of epoch 0 that failed after the gang moved to epoch 1.
+    fail_container(sim.pod("grpo-cpu-gen-0"), 1, "Error", 31);
+    sim.step();
+    sim.kubelet_gc();
+    sim.step();
+    let mut straggler = sim.pods[0].clone();
+    straggler.metadata.name = Some("grpo-cpu-gen-9".into());
+    straggler.metadata.uid = Some("old".into());
+    straggler.metadata.labels.as_mut().unwrap().insert(labels::EPOCH.into(), "0".into());
+    fail_container(&mut straggler, 1, "Error", 60);
+    sim.pods.push(straggler);
+    let d = sim.step();
+    assert_eq!(d.restart, None);
+    assert_eq!(sim.status().restarts, 1);
+    assert!(matches!(d.steps.last(), Some(Step::DeletePods(p)) if p.len() == 1 && p[0].name == "grpo-cpu-gen-9"));
+}
+
+#[test]
+fn pods_the_job_does_not_control_are_ignored() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    let mut foreign = sim.pods[0].clone();
+    foreign.metadata.name = Some("someone-elses".into());
+    foreign.metadata.owner_references.as_mut().unwrap()[0].uid = "another-job".into();
+    fail_container(&mut foreign, 1, "Error", 31);
+    sim.pods.push(foreign);
+    let d = sim.step();
+    assert_eq!(d.restart, None);
+    assert!(!pod_names(&d).contains(&"someone-elses".to_string()));
+}
+
+#[test]
+fn the_coordinator_succeeding_is_the_jobs_success_and_the_rest_is_torn_down() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    // A generation rank exiting 0 first is not a failure, and not a success.
+    sim.pod("grpo-cpu-gen-1").status.as_mut().unwrap().phase = Some("Succeeded".into());
+    let d = sim.step();
+    assert_eq!(sim.status().phase, Phase::Running);
+    assert_eq!(d.restart, None);
+
+    let coordinator = sim
+        .pods
+        .iter()
+        .find(|p| p.metadata.labels.as_ref().unwrap().get(labels::COORDINATOR).map(String::as_str) == Some("true"))
+        .unwrap()
+        .metadata
+        .name
+        .clone()
+        .unwrap();
+    let p = sim.pod(&coordinator);
+    let st = p.status.as_mut().unwrap();
+    st.phase = Some("Succeeded".into());
+    // Its native sidecar was stopped with SIGTERM: ignored, as the kubelet does.
+    st.init_container_statuses = Some(vec![terminated("rlplane-worker", 143, "Error", 70)]);
+    sim.now = t(80);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "Publish"]);
+    let st = sim.status();
+    assert_eq!((st.phase, st.completion_time.clone()), (Phase::Succeeded, Some(Time(t(80)))));
+    let (status, reason, message) = sim.condition(conditions::SUCCEEDED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "CoordinatorSucceeded"));
+    assert!(message.contains(&coordinator));
+    assert_eq!(sim.condition(conditions::RUNNING).0, "False");
+    assert_eq!(event_reasons(&d), ["CoordinatorSucceeded"]);
+}
+
+#[test]
+fn suspend_deletes_everything_but_the_job_and_resume_recreates_the_gang() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    sim.job.spec.run_policy.suspend = true;
+    sim.job.metadata.generation = Some(2);
+    sim.now = t(100);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "Publish"]);
+    let st = sim.status();
+    assert_eq!((st.phase, st.epoch, st.restarts), (Phase::Suspended, 1, 0), "the torn-down gang's token is retired");
+    assert_eq!(st.start_time, None, "the deadline clock stops");
+    assert_eq!(st.roles.trainer, RoleCounts { ready: 0, total: 1 });
+    assert_eq!(sim.condition(conditions::SUSPENDED).0, "True");
+    assert_eq!(sim.condition(conditions::RUNNING).0, "False");
+    assert_eq!(event_reasons(&d), ["Suspended"]);
+
+    // Terminating pods: wait. Gone: the other objects, then NoPods. Then quiet.
+    let d = sim.step();
+    assert!(d.steps.is_empty(), "{:?}", steps(&d));
+    sim.kubelet_gc();
+    let d = sim.step();
+    assert_eq!(steps(&d), ["DeleteObjects", "WriteStatus"]);
+    assert_eq!(sim.deleted_objects, 1);
+    let d = sim.step();
+    assert!(d.steps.is_empty(), "{:?}", steps(&d));
+    assert!(!sim.deleted_job);
+
+    sim.job.spec.run_policy.suspend = false;
+    sim.job.metadata.generation = Some(3);
+    sim.now = t(200);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["ApplyObjects", "CreatePods", "WriteStatus", "Publish", "Publish"]);
+    assert_eq!(event_reasons(&d), ["Resumed", "PodsCreated"]);
+    let st = sim.status();
+    assert_eq!((st.phase, st.epoch, st.start_time.clone()), (Phase::Starting, 1, Some(Time(t(200)))));
+    assert_eq!(sim.condition(conditions::SUSPENDED), ("False".into(), "Resumed".into(), String::new()));
+    assert!(sim.pods.iter().all(|p| p.metadata.labels.as_ref().unwrap()[labels::EPOCH] == "1"));
+}
+
+#[test]
+fn a_kueue_job_created_suspended_waits_without_creating_anything() {
+    let mut j = job("rljob-cpu.yaml");
+    j.metadata.labels = Some(BTreeMap::from([(labels::KUEUE_QUEUE.to_string(), "team-a".to_string())]));
+    j.spec.run_policy.suspend = true;
+    let mut sim = Sim::new(j);
+    let d = sim.step();
+    // Nothing was ever created, so nothing is deleted.
+    assert_eq!(steps(&d), ["WriteStatus", "Publish"]);
+    let st = sim.status();
+    assert_eq!((st.phase, st.epoch), (Phase::Suspended, 0));
+    let (status, _, message) = sim.condition(conditions::SUSPENDED);
+    assert_eq!(status, "True");
+    assert!(message.contains("Kueue (queue team-a)"), "{message}");
+    assert!(sim.pods.is_empty());
+    // Kueue admits the job: it flips suspend.
+    sim.job.spec.run_policy.suspend = false;
+    sim.job.metadata.generation = Some(2);
+    sim.step();
+    assert_eq!((sim.status().phase, sim.pods.len()), (Phase::Starting, 3));
+}
+
+#[test]
+fn resuming_while_old_pods_terminate_waits_in_pending() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    sim.job.spec.run_policy.suspend = true;
+    sim.step();
+    sim.job.spec.run_policy.suspend = false;
+    let d = sim.step();
+    assert_eq!(sim.status().phase, Phase::Pending);
+    assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::WAITING_FOR_OLD_PODS);
+    assert_eq!(event_reasons(&d), ["Resumed"]);
+    assert!(!steps(&d).contains(&"CreatePods"));
+    sim.kubelet_gc();
+    sim.step();
+    assert_eq!(sim.status().phase, Phase::Starting);
+}
+
+#[test]
+fn the_active_deadline_fails_the_job_and_is_requeued_for() {
+    let mut j = job("rljob-cpu.yaml");
+    j.spec.run_policy.active_deadline_seconds = Some(600);
+    let mut sim = Sim::new(j);
+    let d = sim.step();
+    assert_eq!(d.requeue_after, Some(RESYNC), "the deadline is further away than the resync");
+    sim.now = t(500);
+    let d = sim.step();
+    assert_eq!(d.requeue_after, Some(Duration::from_secs(100)), "look again exactly at the deadline");
+    sim.now = t(600);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "Publish"]);
+    assert_eq!(sim.status().phase, Phase::Failed);
+    let (_, reason, message) = sim.condition(conditions::FAILED);
+    assert_eq!(reason, "DeadlineExceeded");
+    assert!(message.contains("activeDeadlineSeconds=600"), "{message}");
+    assert_eq!(event_reasons(&d), ["DeadlineExceeded"]);
+}
+
+#[test]
+fn a_finished_job_is_deleted_after_its_ttl() {
+    let mut j = job("rljob-cpu.yaml");
+    j.spec.run_policy.ttl_seconds_after_finished = Some(60);
+    let mut sim = Sim::running(j);
+    let coordinator = sim.pods[0].metadata.name.clone().unwrap();
+    sim.pod(&coordinator).status.as_mut().unwrap().phase = Some("Succeeded".into());
+    sim.now = t(100);
+    sim.step();
+    assert_eq!(sim.status().phase, Phase::Succeeded);
+    sim.kubelet_gc();
+    sim.now = t(130);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["DeleteObjects", "WriteStatus"]);
+    assert_eq!(d.requeue_after, Some(Duration::from_secs(30)), "look again when the TTL expires");
+    sim.now = t(160);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["Publish", "DeleteJob"], "the Event is published while the job still exists");
+    assert!(sim.deleted_job);
+    assert_eq!(event_reasons(&d), ["TTLExpired"]);
+}
+
+#[test]
+fn an_invalid_spec_fails_with_every_message_and_is_not_retried_until_it_changes() {
+    let mut j = job("rljob-cpu.yaml");
+    j.spec.trainer.parallelism.data = 3;
+    j.spec.refit.align_bytes = 3;
+    let mut sim = Sim::new(j);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["WriteStatus", "Publish"]);
+    assert_eq!(d.requeue_after, None, "no retry");
+    let st = sim.status();
+    assert_eq!((st.phase, st.observed_generation), (Phase::Failed, Some(1)));
+    let (status, reason, message) = sim.condition(conditions::FAILED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "InvalidSpec"));
+    assert!(message.contains("spec.trainer.parallelism") && message.contains("spec.refit.alignBytes"), "{message}");
+    assert_eq!(message.lines().count(), 2, "one line per message: {message}");
+    let ev = d.events().next().unwrap();
+    assert!(ev.warning && ev.reason == "InvalidSpec");
+
+    // The same generation again (a pod event, a resync): nothing, not even an Event.
+    let d = sim.step();
+    assert!(d.steps.is_empty(), "{:?}", steps(&d));
+
+    // A fixed spec (new generation) runs.
+    sim.job.spec.trainer.parallelism.data = 2;
+    sim.job.spec.refit.align_bytes = 256;
+    sim.job.metadata.generation = Some(2);
+    sim.now = t(10);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["ApplyObjects", "CreatePods", "WriteStatus", "Publish"]);
+    let st = sim.status();
+    assert_eq!((st.phase, st.completion_time.clone()), (Phase::Starting, None));
+    assert_eq!(sim.condition(conditions::FAILED).0, "False");
+}
+
+#[test]
+fn a_running_job_whose_spec_turns_invalid_fails_and_loses_its_pods() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    sim.job.spec.trainer.parallelism.data = 3;
+    sim.job.metadata.generation = Some(2);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "Publish"]);
+    assert_eq!(sim.condition(conditions::FAILED).1, "InvalidSpec");
+}
+
+#[test]
+fn a_spec_change_restarts_the_gang_without_counting_a_restart() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    // runPolicy only: the gang keeps running.
+    sim.job.spec.run_policy.backoff_limit = 5;
+    sim.job.metadata.generation = Some(2);
+    let d = sim.step();
+    assert_eq!(sim.status().phase, Phase::Running);
+    assert_eq!(sim.status().observed_generation, Some(2));
+    assert!(!steps(&d).contains(&"DeletePods"));
+
+    sim.job.spec.workload.steps = 10;
+    sim.job.metadata.generation = Some(3);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "DeletePodGroups", "Publish"]);
+    let st = sim.status();
+    assert_eq!((st.phase, st.epoch, st.restarts, st.observed_generation), (Phase::Restarting, 1, 0, Some(3)));
+    assert_eq!(sim.condition(conditions::RESTARTING).1, "SpecChanged");
+    assert_eq!(d.restart, None);
+}
+
+#[test]
+fn a_job_being_deleted_is_left_to_garbage_collection() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    sim.job.metadata.deletion_timestamp = Some(Time(t(40)));
+    fail_container(sim.pod("grpo-cpu-gen-0"), 1, "Error", 40);
+    let d = sim.step();
+    assert!(d.steps.is_empty());
+    assert_eq!(d.requeue_after, None);
+}
+
+#[test]
+fn a_create_failure_is_recorded_in_pods_created() {
+    let j = job("rljob-cpu.yaml");
+    let st = create_failed(&j, "pods \"x\" is forbidden: exceeded quota", t(5)).unwrap();
+    let c = conditions::find(&st.conditions, conditions::PODS_CREATED).unwrap();
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "CreateFailed"));
+    assert!(c.message.contains("exceeded quota"));
+    // The same failure again changes nothing (no write).
+    let mut again = j.clone();
+    again.status = Some(st);
+    assert!(create_failed(&again, "pods \"x\" is forbidden: exceeded quota", t(9)).is_none());
+}
+
+#[test]
+fn the_coordinators_fields_are_never_part_of_the_operators_status() {
+    let mut j = job("rljob-cpu.yaml");
+    j.status = Some(RLJobStatus {
+        step: Some(3),
+        last_refit: Some(LastRefit { version: 3, seconds: 0.5, bytes: 10, summary: "v3 0.50s".into() }),
+        ..Default::default()
+    });
+    let d = decide(&j, &[], t(0), &cfg());
+    let st = d.status().unwrap();
+    assert_eq!((st.step, &st.last_refit), (None, &None));
+    let json = serde_json::to_value(st).unwrap();
+    assert!(json.get("step").is_none() && json.get("lastRefit").is_none(), "{json}");
+}
