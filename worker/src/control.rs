@@ -37,9 +37,8 @@ pub enum Command {
     Train {
         /// Step.
         step: u32,
-        /// The samples assigned to this data-parallel shard (JSON of the transfer queue's
-        /// batch metadata), for the rank that fetches.
-        batch: Option<serde_json::Value>,
+        /// The samples assigned to this data-parallel shard, for the rank that fetches.
+        batch: Option<crate::tq::BatchMeta>,
     },
     /// Trainer ranks: apply the step's update (the new weights derive from `seed`).
     Update {
@@ -226,18 +225,18 @@ impl ControlServer {
                     });
                 }
                 Err(_) => {
-                    let missing: Vec<&str> = expected
-                        .iter()
-                        .zip(&streams)
-                        .filter(|(_, s)| s.is_none())
-                        .map(|(n, _)| n.as_str())
-                        .collect();
+                    let missing: Vec<&str> =
+                        expected.iter().zip(&streams).filter(|(_, s)| s.is_none()).map(|(n, _)| n.as_str()).collect();
                     return Err(ControlError::Missing(missing.join(", ")));
                 }
             };
             net::tune(&stream);
             let hello = net::accept_hello(&mut stream, MAGIC, VERSION, token, deadline, |h| {
-                if index.contains_key(&h.peer) { Ok(()) } else { Err(format!("`{}` is not a rank of this job", h.peer)) }
+                if index.contains_key(&h.peer) {
+                    Ok(())
+                } else {
+                    Err(format!("`{}` is not a rank of this job", h.peer))
+                }
             })
             .await;
             // A refused peer (stale epoch, other job) is logged and ignored; the rest still join.
@@ -356,7 +355,11 @@ impl ControlServer {
                 }
                 Event::Reply { rank, reply: Reply::Failed { seq, error }, .. } => {
                     let command = self.pending_cmd.remove(&(rank, seq)).unwrap_or("a command");
-                    return Err(ControlError::RankFailed { rank: self.names[rank].clone(), command: command.into(), error });
+                    return Err(ControlError::RankFailed {
+                        rank: self.names[rank].clone(),
+                        command: command.into(),
+                        error,
+                    });
                 }
                 Event::Lost { rank, reason } => {
                     return Err(ControlError::Lost { rank: self.names[rank].clone(), reason });
@@ -413,7 +416,12 @@ pub struct ControlClient {
 
 impl ControlClient {
     /// Connects to the coordinator (retrying until `deadline`) and introduces itself as `name`.
-    pub async fn connect(addr: &str, token: &str, name: &str, deadline: Instant) -> Result<ControlClient, ControlError> {
+    pub async fn connect(
+        addr: &str,
+        token: &str,
+        name: &str,
+        deadline: Instant,
+    ) -> Result<ControlClient, ControlError> {
         let wrap = |source| ControlError::Net { rank: name.into(), source };
         let mut s = net::connect_retry(addr, deadline, "the coordinator's control channel").await.map_err(wrap)?;
         let hello = Hello { magic: MAGIC, version: VERSION, token: token.into(), peer: name.into(), extra: vec![] };

@@ -5,11 +5,15 @@
 
 pub mod bench;
 pub mod control;
+pub mod coordinator;
 pub mod digest;
 pub mod gpu;
+pub mod local;
 pub mod net;
+pub mod pod;
 pub mod proc;
 pub mod refit;
+pub mod roles;
 pub mod supervisor;
 pub mod tq;
 pub mod transport;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "rlplane", version, about = "rlplane: the data plane for RL post-training")]
+#[command(name = "rlplane", version, about = "rlplane: the data plane for RL post-training (refit and transfer queue)")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -13,6 +13,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a whole RLJob on this machine: every rank as a process, the coordinator here.
+    Local(rlplane::local::LocalArgs),
+    /// A pod's entry point: run the ranks of this pod from the job's plan.
+    Worker(rlplane::pod::WorkerArgs),
+    /// Check an RLJob manifest: print every problem, exit 2 if there is one.
+    Validate {
+        /// The manifest (YAML).
+        manifest: std::path::PathBuf,
+    },
     /// Benchmarks (refit, transfer queue).
     #[command(subcommand)]
     Bench(rlplane::bench::BenchCommand),
@@ -28,6 +37,9 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Local(a) => return rlplane::local::main(a),
+        Command::Worker(a) => return rlplane::pod::main(a),
+        Command::Validate { manifest } => return validate(&manifest),
         Command::Bench(c) => rlplane::bench::run(c),
         Command::Peer(c) => rlplane::bench::run_peer(c),
     };
@@ -36,6 +48,29 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+fn validate(path: &std::path::Path) -> ExitCode {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    };
+    match rlplane_api::load_rljob(&text) {
+        Ok(job) => {
+            println!("{}: valid RLJob `{}`", path.display(), job.metadata.name.unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {} is not a valid RLJob:", path.display());
+            for line in &e.0 {
+                eprintln!("  - {line}");
+            }
+            ExitCode::from(2)
         }
     }
 }

@@ -136,7 +136,8 @@ impl Supervisor {
                 let mut lines = BufReader::new(out).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
                     if let Some(rest) = line.strip_prefix(READY_PREFIX) {
-                        let metrics = rest.split_whitespace().find_map(|kv| kv.strip_prefix("metrics=")).map(String::from);
+                        let metrics =
+                            rest.split_whitespace().find_map(|kv| kv.strip_prefix("metrics=")).map(String::from);
                         *ready.lock().expect("ready lock") = Some(Readiness { metrics });
                         let _ = ready_tx.send(index);
                     } else {

@@ -83,11 +83,7 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
             return Err(GpuError::msg("finding GPUs", "the CUDA driver sees no GPU"));
         }
         let ctx = CudaContext::new(0).map_err(|e| GpuError::driver("creating a context on GPU 0", e))?;
-        Ok(GpuInfo {
-            devices,
-            name: ctx.name().unwrap_or_default(),
-            memory: ctx.total_mem().unwrap_or_default(),
-        })
+        Ok(GpuInfo { devices, name: ctx.name().unwrap_or_default(), memory: ctx.total_mem().unwrap_or_default() })
     });
     r.map_err(|e| GpuError {
         op: "no usable CUDA driver found".into(),
@@ -98,8 +94,7 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
 /// Checks that NCCL loads and returns its version code (e.g. 22809 for 2.28.9).
 pub fn nccl_version() -> Result<i32, GpuError> {
     catch("loading NCCL", || {
-        cudarc::nccl::result::get_nccl_version()
-            .map_err(|e| GpuError::msg("ncclGetVersion", nccl::error_string(e.0)))
+        cudarc::nccl::result::get_nccl_version().map_err(|e| GpuError::msg("ncclGetVersion", nccl::error_string(e.0)))
     })
     .map_err(|e| GpuError {
         op: "NCCL could not be loaded".into(),
@@ -111,7 +106,8 @@ pub fn nccl_version() -> Result<i32, GpuError> {
 /// `libnccl.so` link to it, to put first on child processes' `LD_LIBRARY_PATH`. `None` when no
 /// such library is found (the system's `libnccl.so`, if any, is then used).
 pub fn nccl_library_dir(scratch: &Path) -> Option<PathBuf> {
-    let lib = std::env::var_os("RLPLANE_NCCL_LIBRARY").map(PathBuf::from).filter(|p| p.exists()).or_else(find_pip_nccl)?;
+    let lib =
+        std::env::var_os("RLPLANE_NCCL_LIBRARY").map(PathBuf::from).filter(|p| p.exists()).or_else(find_pip_nccl)?;
     let dir = scratch.join("nccl-lib");
     std::fs::create_dir_all(&dir).ok()?;
     let link = dir.join("libnccl.so");
@@ -122,7 +118,10 @@ pub fn nccl_library_dir(scratch: &Path) -> Option<PathBuf> {
 
 fn find_pip_nccl() -> Option<PathBuf> {
     let out = std::process::Command::new("python3")
-        .args(["-c", "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))"])
+        .args([
+            "-c",
+            "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))",
+        ])
         .stderr(std::process::Stdio::null())
         .output()
         .ok()?;
@@ -213,7 +212,8 @@ impl Gpu {
     /// A new event; `timing` events can measure elapsed time, others are cheaper.
     pub fn event(&self, timing: bool) -> Result<CudaEvent, GpuError> {
         self.bind()?;
-        let flags = if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        let flags =
+            if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
         self.ctx.new_event(Some(flags)).map_err(|e| GpuError::driver("creating an event", e))
     }
 
@@ -356,7 +356,8 @@ impl DeviceBuffer {
         self.check(offset, src.len())?;
         self.gpu.bind()?;
         // SAFETY: the range was checked against the allocation.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }.map_err(|e| GpuError::driver("copying to the GPU", e))
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
+            .map_err(|e| GpuError::driver("copying to the GPU", e))
     }
 
     /// Copies bytes out to the host (synchronous).
@@ -364,7 +365,8 @@ impl DeviceBuffer {
         self.check(offset, dst.len())?;
         self.gpu.bind()?;
         // SAFETY: the range was checked against the allocation.
-        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }.map_err(|e| GpuError::driver("copying from the GPU", e))
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }
+            .map_err(|e| GpuError::driver("copying from the GPU", e))
     }
 
     /// Sets every byte to `value` on `stream`.
@@ -377,7 +379,10 @@ impl DeviceBuffer {
 
     fn check(&self, offset: usize, len: usize) -> Result<(), GpuError> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(GpuError::msg("copying", format!("range {offset}+{len} exceeds a buffer of {} bytes", self.len)));
+            return Err(GpuError::msg(
+                "copying",
+                format!("range {offset}+{len} exceeds a buffer of {} bytes", self.len),
+            ));
         }
         Ok(())
     }

@@ -1,0 +1,526 @@
+//! The step coordinator: drives `workload.steps` GRPO-shaped steps over the ranks of a job.
+//!
+//! It runs beside trainer rank 0 (in pod `<job>-trainer-0`; in-process in `rlplane local`) and
+//! hosts the transfer-queue controller. It only ever sees metadata: commands and reports over the
+//! control plane, sample metadata through the controller. One step:
+//!
+//! 1. **generate**: every generation producer makes its engine's rollouts and puts them into the
+//!    transfer queue (bytes stay in the producer's storage unit, or go to a dedicated one);
+//! 2. **claim + assign**: the coordinator claims the step's samples (metadata only) and assigns
+//!    them to the trainer's data-parallel shards, balancing tokens (longest first);
+//! 3. **train**: each shard's leader fetches its samples straight from the storage units, fans
+//!    them out to its followers, writes back a per-token field; the update's seed derives from the
+//!    step and the leaders' batch digests, and every trainer rank rewrites its shard from it;
+//!    the partition is cleared;
+//! 4. **refit**: version = step moves from the trainer senders to every generation rank, which
+//!    checks what it received against the senders' digests and reports its version.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rlplane_api::TqFetch;
+use rlplane_api::plan::{ProcessRole, WorkerPlan};
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+use crate::control::{Command, ControlError, ControlServer, Report, percentile_us};
+use crate::digest::mix64;
+use crate::tq::{ControllerConfig, TqController, assign};
+use crate::workload::fields;
+
+/// Consumer group under which the trainer claims.
+pub const TRAINER_GROUP: &str = "trainer";
+
+/// Errors of the coordinator.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorError {
+    /// The control plane failed (a rank failed, died or timed out).
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    /// The transfer queue refused something.
+    #[error("step {step}: transfer queue: {message}")]
+    Queue {
+        /// Step.
+        step: u32,
+        /// What happened.
+        message: String,
+    },
+    /// A check of the data failed.
+    #[error("step {step}: {message}")]
+    Check {
+        /// Step.
+        step: u32,
+        /// What disagreed.
+        message: String,
+    },
+}
+
+/// Progress events, for a progress bar or log lines.
+#[derive(Clone, Debug)]
+pub enum Progress {
+    /// Every rank connected.
+    Connected {
+        /// Ranks.
+        ranks: usize,
+    },
+    /// A step's phase began.
+    Phase {
+        /// Step.
+        step: u32,
+        /// Phase name.
+        phase: &'static str,
+    },
+    /// A step finished.
+    StepDone(StepRecord),
+}
+
+/// Receives progress events.
+pub trait Observer: Send + Sync {
+    /// One event.
+    fn progress(&self, event: Progress);
+}
+
+/// Logs progress as plain lines.
+pub struct LogObserver;
+
+impl Observer for LogObserver {
+    fn progress(&self, event: Progress) {
+        match event {
+            Progress::Connected { ranks } => tracing::info!(ranks, "every rank connected"),
+            Progress::Phase { step, phase } => tracing::debug!(step, phase, "phase"),
+            Progress::StepDone(r) => tracing::info!(
+                step = r.step,
+                seconds = format!("{:.3}", r.total_s),
+                refit_s = format!("{:.3}", r.refit_s),
+                version = r.version,
+                "step done"
+            ),
+        }
+    }
+}
+
+/// What one step measured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StepRecord {
+    /// Step (1-based).
+    pub step: u32,
+    /// Weight version every generation rank holds after it.
+    pub version: u64,
+    /// Wall time of the step.
+    pub total_s: f64,
+    /// Generate phase (rollouts made and put).
+    pub generate_s: f64,
+    /// Moving rollouts: claim + assignment + the leaders' fetch, fan-out and write-back + clear.
+    pub transfer_s: f64,
+    /// Training: the train phase without its data movement, plus the weight update.
+    pub train_s: f64,
+    /// Refit phase.
+    pub refit_s: f64,
+    /// Control-plane time: phase wall time not spent in any rank's work, plus metadata work.
+    pub control_s: f64,
+    /// Samples.
+    pub samples: u64,
+    /// Tokens.
+    pub tokens: u64,
+    /// Bytes put into the transfer queue.
+    pub put_bytes: u64,
+    /// Seconds of the slowest producer's puts.
+    pub put_s: f64,
+    /// Bytes fetched by the trainer.
+    pub get_bytes: u64,
+    /// Seconds of the slowest leader's fetch.
+    pub get_s: f64,
+    /// Bytes every generation rank received in the refit.
+    pub refit_bytes_per_receiver: u64,
+    /// Receivers.
+    pub refit_receivers: u64,
+    /// Refit per-phase seconds, the maximum over ranks (pack, transfer, unpack, wait...).
+    pub refit_phases: HashMap<String, f64>,
+    /// max/mean tokens over data-parallel shards.
+    pub imbalance: f64,
+}
+
+/// Everything a run measured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RunRecord {
+    /// Per step.
+    pub steps: Vec<StepRecord>,
+    /// Round trips of every command to its acknowledgment, microseconds.
+    pub dispatch_us: Vec<f64>,
+}
+
+/// Runs the job's steps. `control` and `tq` are already bound (so ranks can connect as soon as
+/// they start).
+pub async fn run(
+    plan: &WorkerPlan,
+    control: TcpListener,
+    tq: TcpListener,
+    observer: &dyn Observer,
+) -> Result<RunRecord, CoordinatorError> {
+    let timeout = Duration::from_secs(plan.refit.timeout_seconds as u64);
+    let startup = Duration::from_secs(120).max(timeout);
+    let ranks: Vec<String> = plan
+        .processes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i as u32 != plan.coordinator)
+        .map(|(_, p)| p.name.clone())
+        .collect();
+
+    let controller = TqController::new(ControllerConfig::from_plan(plan));
+    let serving = controller.clone();
+    tokio::spawn(async move {
+        if let Err(e) = serving.serve(tq).await {
+            tracing::error!(error = %e, "transfer-queue controller stopped");
+        }
+    });
+    controller.watch_units(Duration::from_secs(1));
+
+    let mut server = ControlServer::accept_all(&control, &ranks, &plan.job.token, Instant::now() + startup).await?;
+    observer.progress(Progress::Connected { ranks: ranks.len() });
+
+    let roles = Roles::of(plan);
+    let mut record = RunRecord::default();
+    for step in 1..=plan.workload.steps {
+        let r = run_step(plan, &roles, &mut server, &controller, step, timeout, observer).await?;
+        observer.progress(Progress::StepDone(r.clone()));
+        record.steps.push(r);
+    }
+    server.shutdown_all().await;
+    record.dispatch_us = server.dispatch.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    Ok(record)
+}
+
+/// Who does what, by process name.
+struct Roles {
+    producers: Vec<String>,
+    trainers: Vec<String>,
+    /// Per data-parallel shard: (leader, followers).
+    shards: Vec<(String, Vec<String>)>,
+    /// Per refit group: (senders, receivers).
+    refit_groups: Vec<(Vec<String>, Vec<String>)>,
+}
+
+impl Roles {
+    fn of(plan: &WorkerPlan) -> Roles {
+        let name = |i: u32| plan.process(i).name.clone();
+        let producers = plan
+            .processes
+            .iter()
+            .filter(|p| matches!(p.role, ProcessRole::Generation(c) if c.producer))
+            .map(|p| p.name.clone())
+            .collect();
+        let trainers = plan.trainer_ranks().into_iter().map(name).collect();
+        let shards = plan
+            .fanout_groups
+            .iter()
+            .map(|g| (name(g.leader), g.members.iter().filter(|&&m| m != g.leader).map(|&m| name(m)).collect()))
+            .collect();
+        let refit_groups = plan
+            .refit_groups
+            .iter()
+            .map(|g| (g.senders.iter().map(|&s| name(s)).collect(), g.receivers.iter().map(|&r| name(r)).collect()))
+            .collect();
+        Roles { producers, trainers, shards, refit_groups }
+    }
+}
+
+fn max_busy(reports: &HashMap<String, Report>) -> f64 {
+    reports.values().map(|r| r.busy_secs).fold(0.0, f64::max)
+}
+
+fn max_phase(reports: &HashMap<String, Report>, names: &[&str]) -> f64 {
+    reports
+        .values()
+        .map(|r| names.iter().map(|n| r.phases.get(*n).copied().unwrap_or(0.0)).sum::<f64>())
+        .fold(0.0, f64::max)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_step(
+    plan: &WorkerPlan,
+    roles: &Roles,
+    server: &mut ControlServer,
+    controller: &TqController,
+    step: u32,
+    timeout: Duration,
+    observer: &dyn Observer,
+) -> Result<StepRecord, CoordinatorError> {
+    let partition = format!("step-{step}");
+    let mut rec = StepRecord { step, version: step as u64, ..Default::default() };
+    let step_start = Instant::now();
+    let mut control_s = 0.0;
+
+    // 1. Generate.
+    observer.progress(Progress::Phase { step, phase: "generate" });
+    let t = Instant::now();
+    let generated = server.run(&roles.producers, Command::Generate { step }, Instant::now() + timeout).await?;
+    rec.generate_s = t.elapsed().as_secs_f64();
+    control_s += (rec.generate_s - max_busy(&generated)).max(0.0);
+    rec.put_bytes = generated.values().map(|r| r.bytes).sum();
+    rec.put_s = max_phase(&generated, &["put"]);
+    let produced: u64 = generated.values().map(|r| r.samples).sum();
+
+    // 2. Claim and assign: metadata only.
+    observer.progress(Progress::Phase { step, phase: "assign" });
+    let t = Instant::now();
+    let required: Vec<String> =
+        [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD].map(String::from).to_vec();
+    let n = produced as usize;
+    let claim = controller
+        .claim(&partition, TRAINER_GROUP, n, n, &required)
+        .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+    if claim.meta.samples.len() as u64 != produced {
+        return Err(CoordinatorError::Check {
+            step,
+            message: format!("claimed {} samples but the producers put {produced}", claim.meta.samples.len()),
+        });
+    }
+    let tokens: Vec<u32> = claim.meta.samples.iter().map(|s| s.tokens).collect();
+    let assignment =
+        assign(&tokens, roles.shards.len()).map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+    rec.imbalance = assignment.imbalance;
+    rec.samples = claim.meta.samples.len() as u64;
+    rec.tokens = tokens.iter().map(|&t| t as u64).sum();
+    let claim_s = t.elapsed().as_secs_f64();
+
+    // 3. Train: leaders fetch and fan out; everyone digests the batch.
+    observer.progress(Progress::Phase { step, phase: "train" });
+    let t = Instant::now();
+    // LeaderBroadcast: only leaders get the batch and fan it out. Independent (for comparison):
+    // every rank fetches it itself.
+    let independent = plan.transfer_queue.fetch == TqFetch::Independent;
+    let mut cmds = Vec::new();
+    for (d, (leader, followers)) in roles.shards.iter().enumerate() {
+        let batch = claim.meta.subset(&assignment.shards[d]);
+        for f in followers {
+            cmds.push((f.clone(), Command::Train { step, batch: independent.then(|| batch.clone()) }));
+        }
+        cmds.push((leader.clone(), Command::Train { step, batch: Some(batch) }));
+    }
+    let train = server.run_each(cmds, Instant::now() + timeout).await?;
+    let train_wall = t.elapsed().as_secs_f64();
+    control_s += (train_wall - max_busy(&train)).max(0.0);
+    let mut batch_digests = Vec::with_capacity(roles.shards.len());
+    for (leader, followers) in &roles.shards {
+        let ld = train[leader].digest;
+        for f in followers {
+            if train[f].digest != ld {
+                return Err(CoordinatorError::Check {
+                    step,
+                    message: format!(
+                        "follower {f} received a batch that differs from its leader {leader}'s (fan-out corrupted data)"
+                    ),
+                });
+            }
+        }
+        batch_digests.push(ld.unwrap_or(0));
+    }
+    let leaders: HashMap<String, Report> = roles.shards.iter().map(|(l, _)| (l.clone(), train[l].clone())).collect();
+    rec.get_bytes = leaders.values().map(|r| r.bytes).sum();
+    rec.get_s = max_phase(&leaders, &["fetch"]);
+    let moved = max_phase(&leaders, &["fetch", "fanout", "writeback"]);
+    let t = Instant::now();
+    let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.clone()).collect();
+    controller
+        .ack(&partition, TRAINER_GROUP, claim.claim_id, &keys)
+        .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+    let ack_s = t.elapsed().as_secs_f64();
+
+    // The update: new weights derive from the step and every shard's batch.
+    let seed = batch_digests.iter().fold(mix64(step as u64), |acc, d| mix64(acc ^ d));
+    let t = Instant::now();
+    let update = server.run(&roles.trainers, Command::Update { step, seed }, Instant::now() + timeout).await?;
+    let update_wall = t.elapsed().as_secs_f64();
+    control_s += (update_wall - max_busy(&update)).max(0.0);
+
+    observer.progress(Progress::Phase { step, phase: "clear" });
+    let t = Instant::now();
+    let cleared = controller.clear(&partition).await;
+    if !cleared.unreachable.is_empty() {
+        tracing::warn!(step, units = ?cleared.unreachable, "storage units unreachable while clearing");
+    }
+    let clear_s = t.elapsed().as_secs_f64();
+    rec.transfer_s = claim_s + moved + ack_s + clear_s;
+    rec.train_s = (train_wall - moved).max(0.0) + update_wall;
+    control_s += claim_s + ack_s + clear_s;
+
+    // 4. Refit.
+    observer.progress(Progress::Phase { step, phase: "refit" });
+    let t = Instant::now();
+    let mut cmds = Vec::new();
+    for (senders, receivers) in &roles.refit_groups {
+        let mut expected = 0u64;
+        for s in senders {
+            expected = expected.wrapping_add(update[s].digest.unwrap_or(0));
+        }
+        for m in senders.iter().chain(receivers) {
+            cmds.push((m.clone(), Command::Refit { version: step as u64, expected }));
+        }
+    }
+    let refit = server.run_each(cmds, Instant::now() + timeout).await?;
+    rec.refit_s = t.elapsed().as_secs_f64();
+    control_s += (rec.refit_s - max_busy(&refit)).max(0.0);
+    let receivers: Vec<&String> = roles.refit_groups.iter().flat_map(|(_, r)| r).collect();
+    for r in &receivers {
+        if refit[*r].version != Some(step as u64) {
+            return Err(CoordinatorError::Check {
+                step,
+                message: format!("{r} reports weight version {:?} after refit {step}", refit[*r].version),
+            });
+        }
+    }
+    rec.refit_receivers = receivers.len() as u64;
+    rec.refit_bytes_per_receiver = receivers.iter().map(|r| refit[*r].bytes).max().unwrap_or(0);
+    for rep in refit.values() {
+        for (k, v) in &rep.phases {
+            let e = rec.refit_phases.entry(k.clone()).or_insert(0.0);
+            *e = e.max(*v);
+        }
+    }
+    rec.control_s = control_s;
+    rec.total_s = step_start.elapsed().as_secs_f64();
+    Ok(rec)
+}
+
+/// Summary statistics of a run, for the table and `--json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Steps run.
+    pub steps: u32,
+    /// Refit seconds, median.
+    pub refit_p50_s: f64,
+    /// Refit seconds, 99th percentile.
+    pub refit_p99_s: f64,
+    /// Refit GB/s per receiver (bytes each receiver got ÷ refit time), median step.
+    pub refit_gbps: f64,
+    /// Refit bytes each receiver got per step.
+    pub refit_bytes_per_receiver: u64,
+    /// Refit bytes delivered in total over the run.
+    pub refit_bytes_total: u64,
+    /// Transfer-queue put GB/s (all producers together).
+    pub tq_put_gbps: f64,
+    /// Transfer-queue get GB/s (all leaders together).
+    pub tq_get_gbps: f64,
+    /// Bytes put over the run.
+    pub tq_put_bytes: u64,
+    /// Bytes fetched over the run.
+    pub tq_get_bytes: u64,
+    /// Mean seconds per step: generate.
+    pub generate_s: f64,
+    /// Mean seconds per step: transfer.
+    pub transfer_s: f64,
+    /// Mean seconds per step: train.
+    pub train_s: f64,
+    /// Mean seconds per step: refit.
+    pub refit_s: f64,
+    /// Mean seconds per step in total.
+    pub step_s: f64,
+    /// Token imbalance (max/mean over shards), mean over steps.
+    pub imbalance_mean: f64,
+    /// Token imbalance, worst step.
+    pub imbalance_max: f64,
+    /// Dispatch latency p50, microseconds.
+    pub dispatch_p50_us: f64,
+    /// Dispatch latency p99, microseconds.
+    pub dispatch_p99_us: f64,
+    /// Control-plane time per step, milliseconds (mean).
+    pub control_ms_per_step: f64,
+    /// Control messages sent.
+    pub dispatches: usize,
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    let d: Vec<Duration> = v.iter().map(|s| Duration::from_secs_f64(s.max(0.0))).collect();
+    percentile_us(&d, p) / 1e6
+}
+
+impl Summary {
+    /// Summarizes a run.
+    pub fn of(r: &RunRecord) -> Summary {
+        let n = r.steps.len().max(1) as f64;
+        let mean = |f: fn(&StepRecord) -> f64| r.steps.iter().map(f).sum::<f64>() / n;
+        let refits: Vec<f64> = r.steps.iter().map(|s| s.refit_s).collect();
+        let rate = |bytes: u64, secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+        let per_step_rates =
+            |f: fn(&StepRecord) -> (u64, f64)| -> Vec<f64> { r.steps.iter().map(f).map(|(b, t)| rate(b, t)).collect() };
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+        };
+        let d: Vec<Duration> = r.dispatch_us.iter().map(|u| Duration::from_secs_f64(u / 1e6)).collect();
+        Summary {
+            steps: r.steps.len() as u32,
+            refit_p50_s: pct(&refits, 50.0),
+            refit_p99_s: pct(&refits, 99.0),
+            refit_gbps: median(per_step_rates(|s| (s.refit_bytes_per_receiver, s.refit_s))),
+            refit_bytes_per_receiver: r.steps.first().map(|s| s.refit_bytes_per_receiver).unwrap_or(0),
+            refit_bytes_total: r.steps.iter().map(|s| s.refit_bytes_per_receiver * s.refit_receivers).sum(),
+            tq_put_gbps: median(per_step_rates(|s| (s.put_bytes, s.put_s))),
+            tq_get_gbps: median(per_step_rates(|s| (s.get_bytes, s.get_s))),
+            tq_put_bytes: r.steps.iter().map(|s| s.put_bytes).sum(),
+            tq_get_bytes: r.steps.iter().map(|s| s.get_bytes).sum(),
+            generate_s: mean(|s| s.generate_s),
+            transfer_s: mean(|s| s.transfer_s),
+            train_s: mean(|s| s.train_s),
+            refit_s: mean(|s| s.refit_s),
+            step_s: mean(|s| s.total_s),
+            imbalance_mean: mean(|s| s.imbalance),
+            imbalance_max: r.steps.iter().map(|s| s.imbalance).fold(0.0, f64::max),
+            dispatch_p50_us: percentile_us(&d, 50.0),
+            dispatch_p99_us: percentile_us(&d, 99.0),
+            control_ms_per_step: mean(|s| s.control_s) * 1e3,
+            dispatches: r.dispatch_us.len(),
+        }
+    }
+
+    /// The summary as a table.
+    pub fn table(&self) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        let rows = [
+            ("steps", format!("{}", self.steps)),
+            (
+                "refit",
+                format!(
+                    "p50 {:.4}s  p99 {:.4}s  {:.2} GB/s per receiver  ({:.4} GB each, {:.4} GB total)",
+                    self.refit_p50_s,
+                    self.refit_p99_s,
+                    self.refit_gbps,
+                    gb(self.refit_bytes_per_receiver),
+                    gb(self.refit_bytes_total)
+                ),
+            ),
+            (
+                "transfer queue",
+                format!(
+                    "put {:.2} GB/s  get {:.2} GB/s  ({:.4} GB put, {:.4} GB fetched)",
+                    self.tq_put_gbps,
+                    self.tq_get_gbps,
+                    gb(self.tq_put_bytes),
+                    gb(self.tq_get_bytes)
+                ),
+            ),
+            (
+                "step time",
+                format!(
+                    "{:.4}s = generate {:.4}s + transfer {:.4}s + train {:.4}s + refit {:.4}s",
+                    self.step_s, self.generate_s, self.transfer_s, self.train_s, self.refit_s
+                ),
+            ),
+            (
+                "token imbalance",
+                format!("max/mean {:.3} (mean)  {:.3} (worst step)", self.imbalance_mean, self.imbalance_max),
+            ),
+            (
+                "control plane",
+                format!(
+                    "dispatch p50 {:.1}µs  p99 {:.1}µs  ({} messages)  {:.3} ms/step",
+                    self.dispatch_p50_us, self.dispatch_p99_us, self.dispatches, self.control_ms_per_step
+                ),
+            ),
+        ];
+        let w = rows.iter().map(|(k, _)| k.chars().count()).max().unwrap_or(0);
+        rows.iter().map(|(k, v)| format!("{k:<w$}  {v}\n")).collect()
+    }
+}

@@ -1,0 +1,386 @@
+//! `rlplane local MANIFEST`: a whole RLJob on one machine — the demo and the benchmark harness.
+//!
+//! It validates the manifest with the operator's `validate()`, builds the same plan the operator
+//! would (the same pure `build_plan`, with loopback addresses and free ports instead of pod DNS
+//! names), starts one child process per rank, runs the coordinator in this process, shows a
+//! progress bar (plain log lines when stderr is not a terminal), and prints a summary table
+//! (`--json` writes it as JSON too).
+//!
+//! Exit codes: 0 success; 1 a rank or the run failed; 2 the manifest is invalid; 130 interrupted.
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use rlplane_api::plan::WorkerPlan;
+use rlplane_api::topology::{Addressing, JobIdentity, build_plan};
+use rlplane_api::{Device, RefitTransport, load_rljob};
+use serde::Serialize;
+
+use crate::coordinator::{self, Observer, Progress, RunRecord, Summary};
+use crate::pod::{EXIT_BAD_INPUT, bind_coordinator, child_command, describe};
+use crate::supervisor::{OutputSink, Supervisor};
+
+/// Transport choice on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    /// Pick by what is present (GPU transports with GPUs, TCP otherwise).
+    Auto,
+    /// NCCL broadcast.
+    Nccl,
+    /// CUDA IPC.
+    CudaIpc,
+    /// TCP.
+    Tcp,
+}
+
+impl From<TransportArg> for RefitTransport {
+    fn from(t: TransportArg) -> Self {
+        match t {
+            TransportArg::Auto => RefitTransport::Auto,
+            TransportArg::Nccl => RefitTransport::Nccl,
+            TransportArg::CudaIpc => RefitTransport::CudaIpc,
+            TransportArg::Tcp => RefitTransport::Tcp,
+        }
+    }
+}
+
+/// Arguments of `rlplane local`.
+#[derive(Debug, clap::Args)]
+pub struct LocalArgs {
+    /// The RLJob manifest (YAML), e.g. manifests/rljob-cpu.yaml.
+    pub manifest: PathBuf,
+    /// Refit transport, overriding spec.refit.transport.
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportArg>,
+    /// Also write the summary as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Override spec.workload.steps.
+    #[arg(long)]
+    pub steps: Option<u32>,
+}
+
+/// Loopback addressing: every pod is 127.0.0.1, every port a free one, sockets in a scratch dir.
+struct LocalAddressing {
+    dir: PathBuf,
+    /// Held until the plan is built, so that no two services get the same free port.
+    held: Mutex<Vec<std::net::TcpListener>>,
+}
+
+impl Addressing for LocalAddressing {
+    fn host(&self, _pod: &str) -> String {
+        "127.0.0.1".into()
+    }
+    fn bind_host(&self, _pod: &str) -> String {
+        "127.0.0.1".into()
+    }
+    fn ipc_dir(&self, pod: &str) -> String {
+        self.dir.join(pod).display().to_string()
+    }
+    fn port(&self, _pod: &str, _base: u16, _offset: u32) -> u16 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+        let port = l.local_addr().expect("a bound address").port();
+        self.held.lock().expect("port lock").push(l);
+        port
+    }
+    fn same_node(&self, _pods: &[&str]) -> bool {
+        true
+    }
+}
+
+/// The summary as written by `--json`.
+#[derive(Serialize)]
+struct JsonSummary<'a> {
+    job: &'a str,
+    mode: String,
+    transport: String,
+    summary: &'a Summary,
+    steps: &'a RunRecord,
+}
+
+/// Runs `rlplane local`.
+pub fn main(args: LocalArgs) -> ExitCode {
+    let text = match std::fs::read_to_string(&args.manifest) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", args.manifest.display());
+            return ExitCode::from(EXIT_BAD_INPUT);
+        }
+    };
+    let mut job = match load_rljob(&text) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("error: {} is not a valid RLJob:", args.manifest.display());
+            for line in &e.0 {
+                eprintln!("  - {line}");
+            }
+            return ExitCode::from(EXIT_BAD_INPUT);
+        }
+    };
+    if let Some(t) = args.transport {
+        job.spec.refit.transport = t.into();
+    }
+    if let Some(s) = args.steps {
+        if s == 0 {
+            eprintln!("error: --steps must be at least 1");
+            return ExitCode::from(EXIT_BAD_INPUT);
+        }
+        job.spec.workload.steps = s;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
+    match rt.block_on(run(job, args.json.as_deref())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Interrupted) => {
+            eprintln!("interrupted: every rank stopped");
+            ExitCode::from(130)
+        }
+        Err(Failure::Error(e)) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+enum Failure {
+    Interrupted,
+    Error(anyhow::Error),
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Failure::Error(e.into())
+    }
+}
+
+/// Which refit path the run uses, after looking at what this machine has.
+fn resolve_transport(job: &mut rlplane_api::RLJob) -> anyhow::Result<RefitTransport> {
+    let t = job.spec.refit.transport;
+    let wants_gpu = matches!(t, RefitTransport::Nccl | RefitTransport::CudaIpc)
+        || (t == RefitTransport::Auto && job.spec.device == Device::Gpu);
+    if !wants_gpu {
+        job.spec.refit.transport = RefitTransport::Tcp;
+        return Ok(RefitTransport::Tcp);
+    }
+    let info = crate::gpu::probe().map_err(|e| {
+        anyhow::anyhow!(
+            "{e}\n(the manifest asks for GPUs: spec.device is {:?} and the refit transport {:?})",
+            job.spec.device,
+            t
+        )
+    })?;
+    anyhow::bail!(
+        "found {} GPU(s) ({}), but GPU refit in `rlplane local` is not available in this build yet; use --transport tcp",
+        info.devices,
+        info.name
+    )
+}
+
+async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Failure> {
+    let transport = resolve_transport(&mut job)?;
+    let name = job.metadata.name.clone().unwrap_or_else(|| "local".into());
+    let scratch = tempdir(&name)?;
+    let uid = format!("local-{}-{}", std::process::id(), scratch.file_name().and_then(|s| s.to_str()).unwrap_or(""));
+    let id = JobIdentity { name: name.clone(), namespace: "local".into(), uid, epoch: 0 };
+    let addressing = LocalAddressing { dir: scratch.clone(), held: Mutex::new(Vec::new()) };
+    let plan = build_plan(&job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
+    for pod in &plan.pods {
+        std::fs::create_dir_all(&pod.ipc_dir).with_context(|| format!("creating {}", pod.ipc_dir))?;
+    }
+    let plan_path = scratch.join("plan.json");
+    std::fs::write(&plan_path, plan.to_json()).with_context(|| format!("writing {}", plan_path.display()))?;
+    // Release the reserved ports only now; the coordinator binds its own at once.
+    drop(addressing);
+    let (control, tq) = bind_coordinator(&plan).await?;
+
+    let ui = Ui::new(&plan);
+    ui.line(format!(
+        "rlplane local: job {name}, {:?} mode, {} processes ({} trainer, {} generation), refit over {:?}, {} steps",
+        plan.mode,
+        plan.processes.len(),
+        plan.layout.trainer_world,
+        plan.layout.generation_world,
+        transport,
+        plan.workload.steps
+    ));
+    let mut sup = Supervisor::new(ui.sink());
+    for (i, p) in plan.processes.iter().enumerate() {
+        if i as u32 == plan.coordinator {
+            continue;
+        }
+        sup.spawn(&p.name, &describe(&plan, i as u32), child_command(&plan_path, &p.name, None)?)
+            .with_context(|| format!("starting {}", p.name))?;
+    }
+    sup.watch();
+
+    let outcome = {
+        let coordinated = coordinator::run(&plan, control, tq, &ui);
+        tokio::pin!(coordinated);
+        loop {
+            tokio::select! {
+                r = &mut coordinated => break r.map_err(|e| Failure::Error(e.into())),
+                e = sup.next_exit() => {
+                    // A rank that exits before the coordinator is done has failed, whatever its code.
+                    let Some(e) = e else { continue };
+                    let mut msg = e.describe();
+                    if e.success() { msg.push_str(" before the run finished"); }
+                    break Err(Failure::Error(anyhow::anyhow!(msg)));
+                }
+                _ = tokio::signal::ctrl_c() => break Err(Failure::Interrupted),
+            }
+        }
+    };
+    ui.finish();
+    let record = match outcome {
+        Ok(x) => x,
+        Err(f) => {
+            sup.stop(Duration::from_secs(5), 1).await;
+            let _ = std::fs::remove_dir_all(&scratch);
+            return Err(f);
+        }
+    };
+    // Every rank got Shutdown: wait for them to exit cleanly.
+    let mut failures = Vec::new();
+    let mut left = sup.len();
+    while left > 0 {
+        match tokio::time::timeout(Duration::from_secs(30), sup.next_exit()).await {
+            Ok(Some(e)) => {
+                left -= 1;
+                if !e.success() {
+                    failures.push(e.describe());
+                }
+            }
+            Ok(None) => break,
+            Err(_) => {
+                failures.push(format!("{left} rank(s) did not exit within 30s of Shutdown"));
+                sup.stop(Duration::from_secs(2), sup.len() - left).await;
+                break;
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    if !failures.is_empty() {
+        return Err(Failure::Error(anyhow::anyhow!(failures.join("\n"))));
+    }
+    let summary = Summary::of(&record);
+    print!("{}", summary.table());
+    if let Some(path) = json {
+        let doc = JsonSummary {
+            job: &name,
+            mode: format!("{:?}", plan.mode),
+            transport: format!("{transport:?}"),
+            summary: &summary,
+            steps: &record,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn tempdir(name: &str) -> anyhow::Result<PathBuf> {
+    let base = std::env::temp_dir();
+    for n in 0..1000u32 {
+        let p = base.join(format!("rlplane-{name}-{}-{n}", std::process::id()));
+        if std::fs::create_dir(&p).is_ok() {
+            return Ok(p);
+        }
+    }
+    anyhow::bail!("cannot create a scratch directory under {}", base.display())
+}
+
+/// Progress display: a bar per step on a terminal, plain lines otherwise.
+struct Ui {
+    steps: u32,
+    bars: Option<(MultiProgress, ProgressBar)>,
+    phases: Mutex<HashMap<u32, &'static str>>,
+}
+
+struct BarSink(MultiProgress);
+
+impl OutputSink for BarSink {
+    fn line(&self, line: String) {
+        let _ = self.0.println(line);
+    }
+}
+
+impl Ui {
+    fn new(plan: &WorkerPlan) -> Arc<Ui> {
+        let bars = std::io::stderr().is_terminal().then(|| {
+            let mp = MultiProgress::new();
+            let bar = mp.add(ProgressBar::new(plan.workload.steps as u64));
+            bar.set_style(
+                ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {elapsed_precise} {msg}")
+                    .expect("a valid template")
+                    .progress_chars("=> "),
+            );
+            bar.enable_steady_tick(Duration::from_millis(100));
+            (mp, bar)
+        });
+        Arc::new(Ui { steps: plan.workload.steps, bars, phases: Mutex::new(HashMap::new()) })
+    }
+
+    fn sink(self: &Arc<Self>) -> Arc<dyn OutputSink> {
+        match &self.bars {
+            Some((mp, _)) => Arc::new(BarSink(mp.clone())),
+            None => Arc::new(crate::supervisor::Stderr),
+        }
+    }
+
+    fn line(&self, line: String) {
+        match &self.bars {
+            Some((mp, _)) => {
+                let _ = mp.println(line);
+            }
+            None => eprintln!("{line}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some((_, bar)) = &self.bars {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Observer for Arc<Ui> {
+    fn progress(&self, event: Progress) {
+        match event {
+            Progress::Connected { ranks } => self.line(format!("all {ranks} ranks connected")),
+            Progress::Phase { step, phase } => {
+                self.phases.lock().expect("phase lock").insert(step, phase);
+                if let Some((_, bar)) = &self.bars {
+                    bar.set_message(format!("step {step}: {phase}"));
+                }
+            }
+            Progress::StepDone(r) => {
+                let line = format!(
+                    "step {}/{}: {:.3}s (generate {:.3}s, transfer {:.3}s, train {:.3}s, refit {:.4}s), {} samples, {} tokens, imbalance {:.3}, weights v{} everywhere",
+                    r.step,
+                    self.steps,
+                    r.total_s,
+                    r.generate_s,
+                    r.transfer_s,
+                    r.train_s,
+                    r.refit_s,
+                    r.samples,
+                    r.tokens,
+                    r.imbalance,
+                    r.version
+                );
+                match &self.bars {
+                    Some((_, bar)) => {
+                        bar.inc(1);
+                        bar.println(line);
+                    }
+                    None => eprintln!("{line}"),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! `rlplane worker --plan PLAN`: the entry point of every pod.
+//!
+//! Without `--process`, it supervises the pod: it starts one child process per rank of its pod
+//! (`RLPLANE_POD` names the pod), serves `/healthz` and `/readyz` on the plan's metrics port, and
+//! exits with the first failure (so the operator restarts the gang) or with 0 once every rank has
+//! finished. With `--process NAME` it runs that one rank (or the coordinator).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use rlplane_api::plan::{PlanError, ProcessRole, WorkerPlan};
+
+use crate::coordinator::{self, LogObserver, Summary};
+use crate::supervisor::{Stderr, Supervisor};
+
+/// Arguments of `rlplane worker`.
+#[derive(Debug, clap::Args)]
+pub struct WorkerArgs {
+    /// The job's plan (the `plan.json` of its ConfigMap).
+    #[arg(long)]
+    pub plan: PathBuf,
+    /// This pod's name (from the downward API).
+    #[arg(long, env = "RLPLANE_POD")]
+    pub pod: Option<String>,
+    /// Run only this process of the plan (a rank or `coordinator`); used by the supervisor.
+    #[arg(long, hide = true)]
+    pub process: Option<String>,
+}
+
+/// Exit code for a plan or manifest the worker cannot use.
+pub const EXIT_BAD_INPUT: u8 = 2;
+
+/// Runs `rlplane worker`.
+pub fn main(args: WorkerArgs) -> ExitCode {
+    let path = args.plan.display().to_string();
+    let plan = match WorkerPlan::load(&path) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_BAD_INPUT);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
+    let result = match &args.process {
+        Some(name) => rt.block_on(run_one(&plan, name)),
+        None => rt.block_on(supervise_pod(&plan, &args.plan, args.pod.as_deref())),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs one process of the plan.
+pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> {
+    let me = plan.process_index(name).with_context(|| format!("process `{name}` is not in the plan"))?;
+    if plan.process(me).role == ProcessRole::Coordinator {
+        let (control, tq) = bind_coordinator(plan).await?;
+        crate::roles::announce_ready(None);
+        let record = coordinator::run(plan, control, tq, &LogObserver).await?;
+        eprint!("{}", Summary::of(&record).table());
+        return Ok(ExitCode::SUCCESS);
+    }
+    crate::roles::run_process(plan.clone(), me).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Binds the coordinator's control and transfer-queue listeners.
+pub async fn bind_coordinator(plan: &WorkerPlan) -> anyhow::Result<(tokio::net::TcpListener, tokio::net::TcpListener)> {
+    let c = plan.coordinator;
+    let p = &plan.process(c).ports;
+    let control =
+        crate::net::bind(&plan.bind_address(c, p.control.context("no control port")?), "the control plane").await?;
+    let tq =
+        crate::net::bind(&plan.bind_address(c, p.tq_controller.context("no TQ port")?), "the TQ controller").await?;
+    Ok((control, tq))
+}
+
+/// The role of a process in words, for errors ("trainer rank 3").
+pub fn describe(plan: &WorkerPlan, i: u32) -> String {
+    match plan.process(i).role {
+        ProcessRole::Coordinator => "the coordinator".into(),
+        ProcessRole::Trainer(c) => format!("trainer rank {} (tp {} pp {} cp {} dp {})", c.rank, c.tp, c.pp, c.cp, c.dp),
+        ProcessRole::Generation(c) => {
+            format!("generation rank {} (engine {} rank {})", c.rank, c.engine, c.engine_rank)
+        }
+        ProcessRole::Storage { unit } => format!("storage unit {unit}"),
+    }
+}
+
+/// The command that runs process `name` of the plan at `plan_path` as a child.
+pub fn child_command(
+    plan_path: &Path,
+    name: &str,
+    library_dir: Option<&Path>,
+) -> anyhow::Result<tokio::process::Command> {
+    let mut cmd = crate::proc::self_command([
+        "worker".as_ref(),
+        "--plan".as_ref(),
+        plan_path.as_os_str(),
+        "--process".as_ref(),
+        name.as_ref(),
+    ])?;
+    if let Some(dir) = library_dir {
+        cmd.env("LD_LIBRARY_PATH", crate::gpu::library_path_with(dir));
+    }
+    Ok(cmd)
+}
+
+async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -> anyhow::Result<ExitCode> {
+    let pod =
+        pod.context("which pod is this? set RLPLANE_POD (the operator sets it from metadata.name) or pass --pod")?;
+    let pod_index = plan.pod_index(pod).map_err(|e: PlanError| anyhow::anyhow!(e))?;
+    let procs = plan.processes_of_pod(pod_index);
+    let scratch = std::env::temp_dir().join(format!("rlplane-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).ok();
+    let library_dir = crate::gpu::nccl_library_dir(&scratch);
+    let mut sup = Supervisor::new(Arc::new(Stderr));
+    for &i in &procs {
+        let name = &plan.process(i).name;
+        sup.spawn(name, &describe(plan, i), child_command(plan_path, name, library_dir.as_deref())?)
+            .with_context(|| format!("starting {name}"))?;
+    }
+    sup.watch();
+    let ready = Arc::new(AtomicBool::new(false));
+    let health_addr: SocketAddr = ([0, 0, 0, 0], plan.observability.metrics_port).into();
+    let health = tokio::spawn(serve_health(health_addr, ready.clone()));
+    let readiness = sup.wait_ready(Duration::from_secs(300)).await;
+    if let Err(e) = readiness {
+        let msg = match e {
+            crate::supervisor::ReadyError::Exited(x) => x.describe(),
+            crate::supervisor::ReadyError::Timeout(names) => format!("not ready after 300s: {}", names.join(", ")),
+        };
+        sup.stop(Duration::from_secs(5), 1).await;
+        anyhow::bail!("pod {pod}: {msg}");
+    }
+    ready.store(true, Ordering::Release);
+    let mut exited = 0;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let outcome = loop {
+        tokio::select! {
+            e = sup.next_exit() => match e {
+                None => break Ok(()),
+                Some(e) if e.success() => {
+                    exited += 1;
+                    if exited == sup.len() { break Ok(()); }
+                }
+                Some(e) => break Err(e.describe()),
+            },
+            _ = term.recv() => break Err("terminated (SIGTERM)".to_string()),
+            _ = tokio::signal::ctrl_c() => break Err("interrupted".to_string()),
+        }
+    };
+    health.abort();
+    match outcome {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(why) => {
+            sup.stop(Duration::from_secs(10), exited + 1).await;
+            anyhow::bail!("pod {pod}: {why}")
+        }
+    }
+}
+
+/// `/healthz` (alive) and `/readyz` (every rank of the pod ready) on the metrics port.
+async fn serve_health(addr: SocketAddr, ready: Arc<AtomicBool>) {
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    let app = axum::Router::new().route("/healthz", get(|| async { "ok" })).route(
+        "/readyz",
+        get(move || {
+            let ready = ready.clone();
+            async move {
+                if ready.load(Ordering::Acquire) {
+                    (StatusCode::OK, "ready")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "starting")
+                }
+            }
+        }),
+    );
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => {
+            let _ = axum::serve(l, app).await;
+        }
+        Err(e) => tracing::warn!(%addr, error = %e, "cannot serve health endpoints"),
+    }
+}

@@ -1,0 +1,192 @@
+//! A generation rank: the stand-in for an inference engine's rank.
+//!
+//! - Generate (engine producers only): make the engine's rollouts for the step and put them into
+//!   the transfer queue. With placement ProducerLocal the storage unit lives in this process, so
+//!   the bytes stay here until a trainer leader fetches them (one hop).
+//! - Refit: receive the new weights from every sender of its refit group into its own full
+//!   tensors, check them against the senders' digests, and report the version it now holds.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rlplane_api::TqPlacement;
+use rlplane_api::plan::{ProcessRole, WorkerPlan};
+
+use super::{Rank, announce_ready, secs, serve_commands};
+use crate::control::{Command, ControlClient, ControlError, Report};
+use crate::digest::{digest_strided, segment_term};
+use crate::refit::{self, HostTensors, RefitReceiver, StreamConfig, StreamInfo};
+use crate::tq::{ClientConfig, Column, PutOptions, StorageServer, StorageUnit, TqClient};
+use crate::transport::tcp::{TcpOptions, TcpTransport};
+use crate::workload::{self, fields};
+
+struct Generation {
+    plan: WorkerPlan,
+    engine: u32,
+    tq: Option<TqClient>,
+    streams: Vec<StreamInfo>,
+    receiver: RefitReceiver<TcpTransport>,
+    weights: HostTensors,
+}
+
+/// Runs generation rank `me`.
+pub async fn run(
+    plan: &WorkerPlan,
+    me: u32,
+    control: impl Future<Output = Result<ControlClient, ControlError>>,
+) -> anyhow::Result<()> {
+    let ProcessRole::Generation(coords) = plan.process(me).role else {
+        anyhow::bail!("process {me} is not a generation rank")
+    };
+
+    // Listeners first: the storage unit (producers, placement ProducerLocal) and the refit relay.
+    let mut local_unit = None;
+    let mut serving = None;
+    if coords.producer && plan.transfer_queue.placement == TqPlacement::ProducerLocal {
+        let unit = plan.storage_units.iter().find(|u| u.process == me).context("no storage unit for this producer")?;
+        let port = plan.process(me).ports.storage.context("the producer has no storage port in the plan")?;
+        let listener = crate::net::bind(&plan.bind_address(me, port), "the producer's storage unit").await?;
+        let storage = Arc::new(StorageUnit::new(unit.id, plan.transfer_queue.capacity_bytes));
+        let server = StorageServer::new(
+            storage.clone(),
+            &plan.job.token,
+            Duration::from_secs(plan.transfer_queue.put_timeout_seconds as u64),
+        );
+        serving = Some(tokio::spawn(server.serve(listener)));
+        local_unit = Some(storage);
+    }
+    let refit_listener = refit::bind_listener(plan, me).await?;
+    announce_ready(None);
+
+    let group =
+        plan.refit_groups_of(me).into_iter().next().context("this generation rank is in no refit group")?.clone();
+    let options = TcpOptions::default();
+    let streams = refit::group_streams(plan, &group, &options)?;
+    let (control, transports) =
+        tokio::join!(control, refit::connect_tcp_receiver(plan, me, &streams, &refit_listener, &options));
+    let mut control = control?;
+    let transports = transports?;
+    let receiver = RefitReceiver::new(
+        streams.iter().map(|s| s.plan.clone()).zip(transports).collect(),
+        StreamConfig::from_spec(&plan.refit),
+    )?;
+    let tq = if coords.producer { Some(TqClient::new(ClientConfig::from_plan(plan, me)?, local_unit)?) } else { None };
+    let weights = HostTensors::zeroed(plan.manifest().iter().map(|t| t.size_bytes()));
+    let mut rank = Generation { plan: plan.clone(), engine: coords.engine, tq, streams, receiver, weights };
+    let r = serve_commands(&mut control, &mut rank).await;
+    if let Some(s) = serving {
+        s.abort();
+    }
+    r
+}
+
+impl Rank for Generation {
+    async fn execute(&mut self, command: Command) -> anyhow::Result<Report> {
+        match command {
+            Command::Generate { step } => self.generate(step).await,
+            Command::Refit { version, expected } => self.refit(version, expected).await,
+            other => anyhow::bail!("a generation rank has no part in {}", other.name()),
+        }
+    }
+}
+
+impl Generation {
+    async fn generate(&mut self, step: u32) -> anyhow::Result<Report> {
+        let tq = self.tq.as_ref().context("only an engine's producer (engine rank 0) generates")?;
+        let w = &self.plan.workload;
+        let t = Instant::now();
+        let samples = workload::engine_samples(w, step, self.engine, self.plan.layout.engines);
+        let rollouts: Vec<_> = samples.iter().map(|s| workload::rollout(w, step, s)).collect();
+        let keys: Vec<String> = samples.iter().map(|s| s.key.clone()).collect();
+        let ids: Vec<&[i64]> = rollouts.iter().map(|r| r.input_ids.as_slice()).collect();
+        let masks: Vec<&[u8]> = rollouts.iter().map(|r| r.response_mask.as_slice()).collect();
+        let logprobs: Vec<&[f32]> = rollouts.iter().map(|r| r.old_logprobs.as_slice()).collect();
+        let rewards: Vec<f32> = rollouts.iter().map(|r| r.reward).collect();
+        let columns = vec![
+            Column::ragged(fields::INPUT_IDS, &ids),
+            Column::ragged(fields::RESPONSE_MASK, &masks),
+            Column::ragged(fields::OLD_LOGPROBS, &logprobs),
+            Column::scalars(fields::REWARD, &rewards),
+        ];
+        let generate_s = secs(t);
+        let t = Instant::now();
+        let tokens: Vec<u32> = samples.iter().map(|s| s.tokens() as u32).collect();
+        let uid_tags = samples
+            .iter()
+            .map(|s| {
+                vec![
+                    ("uid".to_string(), format!("s{step}p{}", s.prompt)),
+                    ("engine".to_string(), self.engine.to_string()),
+                ]
+            })
+            .collect();
+        let put = tq
+            .put_with(&format!("step-{step}"), &keys, &columns, &PutOptions { tokens: Some(tokens), tags: uid_tags })
+            .await
+            .with_context(|| format!("putting step {step}'s rollouts"))?;
+        let put_s = secs(t);
+        Ok(Report {
+            busy_secs: generate_s + put_s,
+            bytes: put.bytes,
+            samples: samples.len() as u64,
+            tokens: samples.iter().map(|s| s.tokens()).sum(),
+            phases: [("generate".to_string(), generate_s), ("put".to_string(), put_s)].into(),
+            ..Default::default()
+        })
+    }
+
+    async fn refit(&mut self, version: u64, expected: u64) -> anyhow::Result<Report> {
+        let t = Instant::now();
+        let stats = self.receiver.receive(&mut self.weights).await?;
+        let busy = secs(t);
+        if stats.version != version {
+            anyhow::bail!("received weight version {} where the coordinator announced {version}", stats.version);
+        }
+        // Check every byte against the senders' digests (outside the timed refit).
+        let digest = destination_digest(&self.streams, &self.weights);
+        if digest != expected {
+            anyhow::bail!(
+                "weights of version {version} do not match the trainer's digest ({digest:#018x} received, {expected:#018x} sent)"
+            );
+        }
+        let held = self.receiver.state().current();
+        Ok(Report {
+            busy_secs: busy,
+            bytes: stats.bytes,
+            version: held,
+            digest: Some(digest),
+            phases: [
+                ("transfer".to_string(), stats.transfer_secs),
+                ("unpack".to_string(), stats.unpack_secs),
+                ("wait".to_string(), stats.buffer_wait_secs),
+                ("total".to_string(), stats.total_secs),
+            ]
+            .into(),
+            counters: [
+                ("direct_bytes".to_string(), stats.direct_bytes),
+                ("staged_bytes".to_string(), stats.staged_bytes),
+            ]
+            .into(),
+            ..Default::default()
+        })
+    }
+}
+
+/// Identity of segment `index` of the stream of the group's `sender_pos`-th sender.
+pub fn segment_id(sender_pos: usize, index: usize) -> u64 {
+    ((sender_pos as u64) << 32) | index as u64
+}
+
+/// Digest of everything a receiver holds, segment by segment as the senders' plans lay it out.
+fn destination_digest(streams: &[StreamInfo], weights: &HostTensors) -> u64 {
+    let mut total = 0u64;
+    for (pos, s) in streams.iter().enumerate() {
+        for (i, seg) in s.plan.segments().iter().enumerate() {
+            let d =
+                digest_strided(weights.tensor(seg.tensor as usize), seg.dst_offset, seg.rows, seg.width, seg.dst_pitch);
+            total = total.wrapping_add(segment_term(segment_id(pos, i), d));
+        }
+    }
+    total
+}

@@ -1,0 +1,79 @@
+//! The rank processes: trainer ranks, generation ranks and dedicated storage units. The
+//! coordinator is in [`crate::coordinator`].
+//!
+//! Every rank runs the same way, in a pod (`rlplane worker --plan`) or on one machine
+//! (`rlplane local`); only the addresses in the plan differ:
+//! 1. bind its listeners (refit, fan-out, storage), then announce readiness on stdout;
+//! 2. rendezvous with its peers and the coordinator, concurrently (they start in any order);
+//! 3. execute the coordinator's commands until Shutdown.
+
+pub mod generation;
+pub mod storage;
+pub mod trainer;
+
+use std::time::Duration;
+
+use rlplane_api::plan::{ProcessRole, WorkerPlan};
+use tokio::time::Instant;
+
+use crate::control::{Command, ControlClient, Envelope, Reply, Report};
+use crate::supervisor::READY_PREFIX;
+
+/// How long a rank waits for its peers and the coordinator at start-up.
+pub fn startup_timeout(plan: &WorkerPlan) -> Duration {
+    Duration::from_secs(120).max(Duration::from_secs(plan.refit.timeout_seconds as u64))
+}
+
+/// Announces readiness to the supervisor (listeners are bound; metrics served at `metrics`).
+pub fn announce_ready(metrics: Option<std::net::SocketAddr>) {
+    match metrics {
+        Some(a) => println!("{READY_PREFIX} metrics={a}"),
+        None => println!("{READY_PREFIX}"),
+    }
+}
+
+/// A rank's reaction to commands.
+pub trait Rank {
+    /// Executes one command (never Shutdown).
+    fn execute(&mut self, command: Command) -> impl Future<Output = anyhow::Result<Report>>;
+}
+
+/// The command loop: execute each command and answer Done or Failed, until Shutdown or until the
+/// coordinator goes away.
+pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R) -> anyhow::Result<()> {
+    while let Some(Envelope { seq, command, .. }) = control.next().await? {
+        if command == Command::Shutdown {
+            return Ok(());
+        }
+        let name = command.name();
+        match rank.execute(command).await {
+            Ok(report) => control.reply(&Reply::Done { seq, report }).await?,
+            Err(e) => {
+                let error = format!("{e:#}");
+                control.reply(&Reply::Failed { seq, error: error.clone() }).await?;
+                // A failed command leaves this rank's state (weights, sockets) unknown: stop, so
+                // the supervisor reports it and the gang restarts.
+                anyhow::bail!("{name} failed: {error}");
+            }
+        }
+    }
+    anyhow::bail!("the coordinator closed the control channel before Shutdown")
+}
+
+/// Runs process `me` of the plan until Shutdown.
+pub async fn run_process(plan: WorkerPlan, me: u32) -> anyhow::Result<()> {
+    let deadline = Instant::now() + startup_timeout(&plan);
+    let name = plan.process(me).name.clone();
+    let control = async { ControlClient::connect(&plan.control_address(), &plan.job.token, &name, deadline).await };
+    match plan.process(me).role {
+        ProcessRole::Trainer(_) => trainer::run(&plan, me, control).await,
+        ProcessRole::Generation(_) => generation::run(&plan, me, control).await,
+        ProcessRole::Storage { .. } => storage::run(&plan, me, control).await,
+        ProcessRole::Coordinator => anyhow::bail!("the coordinator is not a rank; run it with the coordinator role"),
+    }
+}
+
+/// Seconds since `t`.
+pub fn secs(t: std::time::Instant) -> f64 {
+    t.elapsed().as_secs_f64()
+}

@@ -1,0 +1,245 @@
+//! A trainer rank: the stand-in for a Megatron/FSDP rank holding its shard of the weights.
+//!
+//! - Train: a data-parallel leader fetches its shard's batch straight from the storage units and
+//!   fans it out to its followers (shapes first, then data); every rank digests the batch; the
+//!   leader writes back a per-token field (its "log-probabilities"). With `fetch: Independent`
+//!   every rank fetches for itself.
+//! - Update: every rank rewrites its shard from the step's seed — each tensor's new bytes derive
+//!   from the step and the digests of the whole step's batches, so the result is checkable.
+//! - Refit (senders): send the shard to every generation rank of the group.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use rlplane_api::TqFetch;
+use rlplane_api::plan::{ProcessRole, TrainerCoords, WorkerPlan};
+
+use super::generation::segment_id;
+use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
+use crate::control::{Command, ControlClient, ControlError, Report};
+use crate::digest::{Digest, digest_strided, fill, segment_term, tensor_seed};
+use crate::refit::{self, HostTensors, RefitPlan, RefitSender, ShardCoords, StreamConfig};
+use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
+use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
+use crate::transport::tcp::{TcpOptions, TcpTransport};
+use crate::workload::{fields, trainer_logprobs};
+
+enum Fanout {
+    Leader(TcpFanoutLeader),
+    Follower(TcpFanoutFollower),
+    None,
+}
+
+struct Trainer {
+    coords: TrainerCoords,
+    tq: TqClient,
+    fanout: Fanout,
+    /// The layout of this rank's shard (a sender's refit plan, or the shard it would send).
+    shard_plan: RefitPlan,
+    shard: HostTensors,
+    /// Set on refit senders: the stream and this sender's position in its group.
+    sender: Option<(RefitSender<TcpTransport>, usize)>,
+}
+
+/// Runs trainer rank `me`.
+pub async fn run(
+    plan: &WorkerPlan,
+    me: u32,
+    control: impl Future<Output = Result<ControlClient, ControlError>>,
+) -> anyhow::Result<()> {
+    let ProcessRole::Trainer(coords) = plan.process(me).role else {
+        anyhow::bail!("process {me} is not a trainer rank")
+    };
+    let group = plan.refit_groups_of(me).into_iter().find(|g| g.senders.contains(&me)).cloned();
+    let deadline = tokio::time::Instant::now() + startup_timeout(plan);
+
+    // Listeners first: refit rendezvous (senders) and fan-out (leaders).
+    let refit_listener = match &group {
+        Some(_) => Some(refit::bind_listener(plan, me).await?),
+        None => None,
+    };
+    let fanout_listener = match plan.process(me).ports.fanout {
+        Some(port) => Some(crate::net::bind(&plan.bind_address(me, port), "the fan-out leader").await?),
+        None => None,
+    };
+    announce_ready(None);
+
+    let leader_batch = plan.transfer_queue.fetch == TqFetch::LeaderBroadcast;
+    let fanout = async {
+        if !leader_batch {
+            return anyhow::Ok(Fanout::None);
+        }
+        Ok(match &fanout_listener {
+            Some(l) => {
+                let g = plan.fanout_group_of(me).context("a leader without a fan-out group")?;
+                let followers: Vec<String> =
+                    g.members.iter().filter(|&&m| m != me).map(|&m| plan.process(m).name.clone()).collect();
+                Fanout::Leader(TcpFanoutLeader::accept(l, &plan.job.token, &followers, deadline).await?)
+            }
+            None => Fanout::Follower(TcpFanoutFollower::from_plan(plan, me, deadline).await?),
+        })
+    };
+    let options = TcpOptions::default();
+    let sender = async {
+        let (Some(g), Some(listener)) = (&group, &refit_listener) else { return anyhow::Ok(None) };
+        let pos = g.senders.iter().position(|&s| s == me).expect("a sender of its group");
+        let streams = refit::group_streams(plan, g, &options)?;
+        let stream = &streams[pos];
+        let transport = refit::connect_tcp_sender(plan, stream, listener, &options).await?;
+        Ok(Some((RefitSender::new(stream.plan.clone(), transport, StreamConfig::from_spec(&plan.refit))?, pos)))
+    };
+    let (control, fanout, sender) = tokio::join!(control, fanout, sender);
+    let mut control = control?;
+    let fanout = fanout?;
+    let sender = sender?;
+
+    let shard_plan = match &sender {
+        Some((s, _)) => s.plan().clone(),
+        None => RefitPlan::sharded(
+            &plan.manifest(),
+            refit::bucket_bytes(plan)?,
+            plan.refit.align_bytes,
+            ShardCoords { tp: coords.tp, tp_size: plan.layout.tp, pp: coords.pp, pp_size: plan.layout.pp },
+        )?,
+    };
+    let shard = HostTensors::zeroed(shard_plan.tensors().iter().map(|t| t.source_bytes.unwrap_or(0)));
+    let tq = TqClient::new(ClientConfig::from_plan(plan, me)?, None)?;
+    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender };
+    serve_commands(&mut control, &mut rank).await
+}
+
+impl Rank for Trainer {
+    async fn execute(&mut self, command: Command) -> anyhow::Result<Report> {
+        match command {
+            Command::Train { step, batch } => self.train(step, batch).await,
+            Command::Update { step, seed } => Ok(self.update(step, seed)),
+            Command::Refit { version, .. } => self.refit(version).await,
+            other => anyhow::bail!("a trainer rank has no part in {}", other.name()),
+        }
+    }
+}
+
+/// Digest of a batch as fetched: every column's values and offsets in order.
+fn batch_digest(batch: &Batch) -> u64 {
+    let mut d = Digest::new();
+    for c in &batch.columns {
+        d.update(c.name().as_bytes());
+        d.update(c.values());
+        for o in c.offsets() {
+            d.update(&o.to_le_bytes());
+        }
+    }
+    d.finish()
+}
+
+impl Trainer {
+    async fn train(&mut self, step: u32, meta: Option<BatchMeta>) -> anyhow::Result<Report> {
+        let wanted = [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD];
+        let mut phases = std::collections::BTreeMap::new();
+        let t0 = Instant::now();
+        let (batch, fetched) = match (&mut self.fanout, meta) {
+            (Fanout::Follower(f), _) => {
+                let t = Instant::now();
+                let b = f.receive().await.with_context(|| format!("receiving step {step}'s batch from the leader"))?;
+                phases.insert("fanout".to_string(), secs(t));
+                (b, 0)
+            }
+            (fanout, Some(meta)) => {
+                let t = Instant::now();
+                let b = self.tq.get(&meta, &wanted).await.with_context(|| format!("fetching step {step}'s batch"))?;
+                phases.insert("fetch".to_string(), secs(t));
+                let bytes = b.columns.iter().map(|c| c.nbytes() as u64).sum();
+                if let Fanout::Leader(l) = fanout {
+                    let t = Instant::now();
+                    l.broadcast(&b).await.with_context(|| format!("fanning step {step}'s batch out"))?;
+                    phases.insert("fanout".to_string(), secs(t));
+                }
+                (b, bytes)
+            }
+            (_, None) => anyhow::bail!("step {step}: no batch to fetch and no leader to receive one from"),
+        };
+        let t = Instant::now();
+        let digest = batch_digest(&batch);
+        let ids = batch.columns.iter().find(|c| c.name() == fields::INPUT_IDS).context("the batch lacks input_ids")?;
+        let masks = batch
+            .columns
+            .iter()
+            .find(|c| c.name() == fields::RESPONSE_MASK)
+            .context("the batch lacks response_mask")?;
+        let mut logprobs = Vec::with_capacity(batch.meta.samples.len());
+        for i in 0..batch.meta.samples.len() {
+            logprobs.push(trainer_logprobs(&ids.sample_as::<i64>(i)?, &masks.sample_as::<u8>(i)?));
+        }
+        phases.insert("compute".to_string(), secs(t));
+        // Only leaders write back; the transfer-queue client refuses a follower's write.
+        if self.coords.leader {
+            let t = Instant::now();
+            let views: Vec<&[f32]> = logprobs.iter().map(Vec::as_slice).collect();
+            self.tq
+                .write_back(&batch.meta, fields::LOGPROBS, &Column::ragged(fields::LOGPROBS, &views))
+                .await
+                .with_context(|| format!("writing back step {step}'s log-probabilities"))?;
+            phases.insert("writeback".to_string(), secs(t));
+        }
+        Ok(Report {
+            busy_secs: secs(t0),
+            bytes: fetched,
+            samples: batch.meta.samples.len() as u64,
+            tokens: batch.meta.tokens(),
+            digest: Some(digest),
+            phases,
+            ..Default::default()
+        })
+    }
+
+    fn update(&mut self, _step: u32, seed: u64) -> Report {
+        let t = Instant::now();
+        for seg in self.shard_plan.segments() {
+            let src = self.shard.tensor_mut(seg.tensor as usize);
+            let tseed = tensor_seed(seed, seg.tensor);
+            for r in 0..seg.rows {
+                let at = (seg.src_offset + r * seg.src_pitch) as usize;
+                fill(&mut src[at..at + seg.width as usize], tseed, seg.dst_offset + r * seg.dst_pitch);
+            }
+        }
+        // Senders report the digest of what they will send; the receivers must match it.
+        let digest = self.sender.as_ref().map(|(_, pos)| {
+            let mut total = 0u64;
+            for (i, seg) in self.shard_plan.segments().iter().enumerate() {
+                let d = digest_strided(
+                    self.shard.tensor(seg.tensor as usize),
+                    seg.src_offset,
+                    seg.rows,
+                    seg.width,
+                    seg.src_pitch,
+                );
+                total = total.wrapping_add(segment_term(segment_id(*pos, i), d));
+            }
+            total
+        });
+        Report { busy_secs: secs(t), digest, bytes: self.shard.total_bytes(), ..Default::default() }
+    }
+
+    async fn refit(&mut self, version: u64) -> anyhow::Result<Report> {
+        let (sender, _) = self.sender.as_mut().context("this trainer rank sends no refit")?;
+        let t = Instant::now();
+        let stats = sender.send(version, &self.shard).await?;
+        Ok(Report {
+            busy_secs: secs(t),
+            bytes: stats.bytes,
+            phases: [
+                ("pack".to_string(), stats.pack_secs),
+                ("transfer".to_string(), stats.transfer_secs),
+                ("wait".to_string(), stats.buffer_wait_secs),
+                ("total".to_string(), stats.total_secs),
+            ]
+            .into(),
+            counters: [
+                ("direct_bytes".to_string(), stats.direct_bytes),
+                ("staged_bytes".to_string(), stats.staged_bytes),
+            ]
+            .into(),
+            ..Default::default()
+        })
+    }
+}
