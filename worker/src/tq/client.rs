@@ -656,7 +656,7 @@ impl TqClient {
         // Sizes: per field, per sample (in batch order).
         let sample_bytes = |f: usize, s: &SampleMeta| s.rows[fidx[f]] as u64 * row_bytes[f];
         let mut buffers: Vec<Vec<u8>> = (0..fields.len())
-            .map(|f| vec![0u8; samples.iter().map(|s| sample_bytes(f, s)).sum::<u64>() as usize])
+            .map(|f| codec::receive_buffer(samples.iter().map(|s| sample_bytes(f, s)).sum::<u64>() as usize))
             .collect();
         {
             // Split every field's buffer into one region per part (disjoint, in order).
