@@ -49,7 +49,7 @@ fn other_messages() -> Vec<Vec<u8>> {
             tags: vec![("t".into(), "v".into())],
         }],
     };
-    let bodies = vec![
+    let bodies = [
         Body::Register(meta.clone()),
         Body::Claim { partition: "p".into(), group: "g".into(), n: 4, min: 0, required: vec!["ids".into()] },
         Body::Get { partition: "fuzz".into(), keys: vec!["k0".into(), "k1".into()], fields: vec!["ids".into()] },
