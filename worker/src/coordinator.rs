@@ -56,6 +56,18 @@ pub enum CoordinatorError {
     },
 }
 
+impl CoordinatorError {
+    /// The rank the error is about, when one rank failed or was lost.
+    pub fn rank(&self) -> Option<&str> {
+        match self {
+            CoordinatorError::Control(ControlError::Lost { rank, .. } | ControlError::RankFailed { rank, .. }) => {
+                Some(rank)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Progress events, for a progress bar or log lines.
 #[derive(Clone, Debug)]
 pub enum Progress {

@@ -144,11 +144,16 @@ pub fn main(args: LocalArgs) -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+        Err(Failure::Coordinator(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
 enum Failure {
     Interrupted,
+    Coordinator(coordinator::CoordinatorError),
     Error(anyhow::Error),
 }
 
@@ -223,7 +228,7 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Fai
         tokio::pin!(coordinated);
         loop {
             tokio::select! {
-                r = &mut coordinated => break r.map_err(|e| Failure::Error(e.into())),
+                r = &mut coordinated => break r.map_err(Failure::Coordinator),
                 e = sup.next_exit() => {
                     // A rank that exits before the coordinator is done has failed, whatever its code.
                     let Some(e) = e else { continue };
@@ -238,6 +243,23 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Fai
     ui.finish();
     let record = match outcome {
         Ok(x) => x,
+        Err(Failure::Coordinator(e)) => {
+            // The coordinator often notices a dead rank first (its connection drops); the
+            // supervisor knows its role and rank and how it died. Prefer that.
+            let exit = match e.rank() {
+                Some(rank) => {
+                    tokio::time::timeout(Duration::from_secs(2), exit_of(&mut sup, rank)).await.ok().flatten()
+                }
+                None => None,
+            };
+            let why = match exit {
+                Some(exit) if !exit.success() => anyhow::anyhow!("{}\n(coordinator: {e})", exit.describe()),
+                _ => e.into(),
+            };
+            sup.stop(Duration::from_secs(5), 1).await;
+            let _ = std::fs::remove_dir_all(&scratch);
+            return Err(Failure::Error(why));
+        }
         Err(f) => {
             sup.stop(Duration::from_secs(5), 1).await;
             let _ = std::fs::remove_dir_all(&scratch);
@@ -281,6 +303,16 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Fai
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The exit of the child named `name`, skipping others.
+async fn exit_of(sup: &mut Supervisor, name: &str) -> Option<crate::supervisor::Exit> {
+    while let Some(e) = sup.next_exit().await {
+        if e.name == name {
+            return Some(e);
+        }
+    }
+    None
 }
 
 fn tempdir(name: &str) -> anyhow::Result<PathBuf> {
