@@ -143,8 +143,18 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
         .collect()
 }
 
+/// A runner process, killed (and reaped) if the test fails before it exits.
+struct Runner(Child);
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Starts a long run and returns it once step 2 finished, with its stderr lines so far.
-fn start_long_run() -> (Child, std::sync::mpsc::Receiver<String>) {
+fn start_long_run() -> (Runner, std::sync::mpsc::Receiver<String>) {
     let mut child = Command::new(bin())
         .arg("local")
         .arg(repo("manifests/rljob-cpu.yaml"))
@@ -155,6 +165,7 @@ fn start_long_run() -> (Child, std::sync::mpsc::Receiver<String>) {
         .unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let stderr = child.stderr.take().unwrap();
+    let child = Runner(child);
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             if tx.send(line).is_err() {
@@ -199,7 +210,7 @@ fn assert_no_orphans(runner: u32) {
 #[test]
 fn a_rank_killed_mid_run_ends_the_run_naming_it_and_leaves_no_orphans() {
     let (mut child, rx) = start_long_run();
-    let runner = child.id();
+    let runner = child.0.id();
     let ranks = children_of(runner);
     assert_eq!(ranks.len(), 4, "four rank processes: {ranks:?}");
     let (victim, _) = ranks.iter().find(|(_, cmd)| cmd.contains("--process gen-1")).expect("gen-1 is a child").clone();
@@ -208,7 +219,7 @@ fn a_rank_killed_mid_run_ends_the_run_naming_it_and_leaves_no_orphans() {
     unsafe {
         libc::kill(victim as i32, libc::SIGKILL);
     }
-    let status = wait_exit(&mut child, Duration::from_secs(15));
+    let status = wait_exit(&mut child.0, Duration::from_secs(15));
     let took = killed_at.elapsed();
     assert_eq!(status.code(), Some(1), "a failed run exits 1");
     assert!(took < Duration::from_secs(10), "the failure ended the run in {took:?}");
@@ -221,12 +232,12 @@ fn a_rank_killed_mid_run_ends_the_run_naming_it_and_leaves_no_orphans() {
 #[test]
 fn ctrl_c_stops_every_rank_cleanly() {
     let (mut child, rx) = start_long_run();
-    let runner = child.id();
+    let runner = child.0.id();
     // SAFETY: kill(2) on our child.
     unsafe {
         libc::kill(runner as i32, libc::SIGINT);
     }
-    let status = wait_exit(&mut child, Duration::from_secs(15));
+    let status = wait_exit(&mut child.0, Duration::from_secs(15));
     assert_eq!(status.code(), Some(130));
     let all: Vec<String> = rx.try_iter().collect();
     assert!(all.iter().any(|l| l.contains("interrupted")), "{all:?}");
