@@ -76,9 +76,10 @@ impl TcpFanoutLeader {
             };
             match net::accept_hello(&mut s, FANOUT_MAGIC, WIRE_VERSION, token, deadline, check).await {
                 Ok(h) => joined.push((h.peer, s)),
-                // A stranger is refused (and told why); keep waiting for the members.
+                // A stranger is refused (and told why), a peer that fails its handshake is
+                // dropped; keep waiting for the members until the deadline.
                 Err(NetError::Refused { peer, reason }) => tracing::warn!(%peer, %reason, "fan-out peer refused"),
-                Err(e) => return Err(e.into()),
+                Err(e) => tracing::warn!(error = %e, "fan-out handshake failed"),
             }
         }
         joined.sort_by(|a, b| a.0.cmp(&b.0));
