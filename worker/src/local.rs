@@ -256,31 +256,26 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Fai
                 Some(exit) if !exit.success() => anyhow::anyhow!("{}\n(coordinator: {e})", exit.describe()),
                 _ => e.into(),
             };
-            sup.stop(Duration::from_secs(5), 1).await;
+            sup.stop(Duration::from_secs(5)).await;
             let _ = std::fs::remove_dir_all(&scratch);
             return Err(Failure::Error(why));
         }
         Err(f) => {
-            sup.stop(Duration::from_secs(5), 1).await;
+            sup.stop(Duration::from_secs(5)).await;
             let _ = std::fs::remove_dir_all(&scratch);
             return Err(f);
         }
     };
     // Every rank got Shutdown: wait for them to exit cleanly.
     let mut failures = Vec::new();
-    let mut left = sup.len();
-    while left > 0 {
+    while sup.running() > 0 {
         match tokio::time::timeout(Duration::from_secs(30), sup.next_exit()).await {
-            Ok(Some(e)) => {
-                left -= 1;
-                if !e.success() {
-                    failures.push(e.describe());
-                }
-            }
+            Ok(Some(e)) if !e.success() => failures.push(e.describe()),
+            Ok(Some(_)) => {}
             Ok(None) => break,
             Err(_) => {
-                failures.push(format!("{left} rank(s) did not exit within 30s of Shutdown"));
-                sup.stop(Duration::from_secs(2), sup.len() - left).await;
+                failures.push(format!("{} rank(s) did not exit within 30s of Shutdown", sup.running()));
+                sup.stop(Duration::from_secs(2)).await;
                 break;
             }
         }

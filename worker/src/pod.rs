@@ -139,19 +139,17 @@ async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -
             crate::supervisor::ReadyError::Exited(x) => x.describe(),
             crate::supervisor::ReadyError::Timeout(names) => format!("not ready after 300s: {}", names.join(", ")),
         };
-        sup.stop(Duration::from_secs(5), 1).await;
+        sup.stop(Duration::from_secs(5)).await;
         anyhow::bail!("pod {pod}: {msg}");
     }
     ready.store(true, Ordering::Release);
-    let mut exited = 0;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let outcome = loop {
         tokio::select! {
             e = sup.next_exit() => match e {
                 None => break Ok(()),
                 Some(e) if e.success() => {
-                    exited += 1;
-                    if exited == sup.len() { break Ok(()); }
+                    if sup.running() == 0 { break Ok(()); }
                 }
                 Some(e) => break Err(e.describe()),
             },
@@ -163,7 +161,7 @@ async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -
     match outcome {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(why) => {
-            sup.stop(Duration::from_secs(10), exited + 1).await;
+            sup.stop(Duration::from_secs(10)).await;
             anyhow::bail!("pod {pod}: {why}")
         }
     }

@@ -102,6 +102,8 @@ pub struct Supervisor {
     exit_rx: mpsc::UnboundedReceiver<(usize, std::io::Result<ExitStatus>)>,
     ready_tx: mpsc::UnboundedSender<usize>,
     ready_rx: mpsc::UnboundedReceiver<usize>,
+    /// Children whose exit has not been reported yet.
+    running: usize,
 }
 
 impl Supervisor {
@@ -109,7 +111,7 @@ impl Supervisor {
     pub fn new(sink: Arc<dyn OutputSink>) -> Self {
         let (exits, exit_rx) = mpsc::unbounded_channel();
         let (ready_tx, ready_rx) = mpsc::unbounded_channel();
-        Supervisor { slots: Vec::new(), roles: Vec::new(), sink, exits, exit_rx, ready_tx, ready_rx }
+        Supervisor { slots: Vec::new(), roles: Vec::new(), sink, exits, exit_rx, ready_tx, ready_rx, running: 0 }
     }
 
     /// Number of children spawned.
@@ -163,6 +165,7 @@ impl Supervisor {
             });
         }
         self.slots.push(Slot { name: name.to_string(), child: Some(child), signals: None, tail, ready });
+        self.running += 1;
         self.roles.push(role.to_string());
         Ok(index)
     }
@@ -213,7 +216,10 @@ impl Supervisor {
         while !ready.iter().all(|&r| r) {
             tokio::select! {
                 Some(i) = self.ready_rx.recv() => ready[i] = true,
-                Some(exit) = self.exit_rx.recv() => return Err(ReadyError::Exited(self.exit_of(exit))),
+                Some(exit) = self.exit_rx.recv() => {
+                    self.running -= 1;
+                    return Err(ReadyError::Exited(self.exit_of(exit)));
+                }
                 _ = tokio::time::sleep_until(deadline) => {
                     let missing: Vec<String> = ready.iter().enumerate().filter(|(_, r)| !**r).map(|(i, _)| self.slots[i].name.clone()).collect();
                     return Err(ReadyError::Timeout(missing));
@@ -236,25 +242,33 @@ impl Supervisor {
 
     /// The next child exit (after [`Self::watch`]); `None` when every child has been reported.
     pub async fn next_exit(&mut self) -> Option<Exit> {
+        if self.running == 0 {
+            return None;
+        }
         let e = self.exit_rx.recv().await?;
+        self.running -= 1;
         // Give the output forwarders a moment to drain the last lines before reporting.
         tokio::time::sleep(Duration::from_millis(50)).await;
         Some(self.exit_of(e))
     }
 
+    /// Children whose exit has not been reported yet.
+    pub fn running(&self) -> usize {
+        self.running
+    }
+
     /// Stops every child still running: SIGTERM, then SIGKILL after `grace`. Returns the exits
     /// collected while stopping.
-    pub async fn stop(&mut self, grace: Duration, already_exited: usize) -> Vec<Exit> {
+    pub async fn stop(&mut self, grace: Duration) -> Vec<Exit> {
         self.signal_all(libc::SIGTERM);
         let mut exits = Vec::new();
         let deadline = tokio::time::Instant::now() + grace;
-        let want = self.slots.len().saturating_sub(already_exited);
-        while exits.len() < want {
+        while self.running > 0 {
             tokio::select! {
                 e = self.next_exit() => match e { Some(e) => exits.push(e), None => break },
                 _ = tokio::time::sleep_until(deadline) => {
                     self.signal_all(libc::SIGKILL);
-                    while exits.len() < want {
+                    while self.running > 0 {
                         match tokio::time::timeout(Duration::from_secs(5), self.next_exit()).await {
                             Ok(Some(e)) => exits.push(e),
                             _ => break,
