@@ -35,6 +35,10 @@ pub enum Error {
 }
 
 impl Error {
+    /// Every value [`Error::kind`] returns.
+    pub const KINDS: [&'static str; 7] =
+        ["conflict", "forbidden", "invalid", "api", "transport", "gang_scheduler_missing", "missing_metadata"];
+
     /// A short, bounded label for metrics (`rlplane_operator_reconcile_errors_total{error}`).
     pub fn kind(&self) -> &'static str {
         match self {

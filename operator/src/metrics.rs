@@ -92,6 +92,12 @@ impl Metrics {
         for kind in FailureKind::ALL {
             m.restarts.get_or_create(&ReasonLabels { reason: kind.reason().into() }).inc_by(0);
         }
+        for kind in crate::error::Error::KINDS {
+            m.reconcile_errors.get_or_create(&ErrorLabels { error: kind.into() }).inc_by(0);
+        }
+        for phase in Phase::ALL {
+            m.transitions.get_or_create(&PhaseLabels { phase: phase.as_str().into() }).inc_by(0);
+        }
         registry.register_collector(Box::new(jobs));
         m
     }
