@@ -11,7 +11,9 @@ use tq_support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_consumers_samples_are_claimed_again_after_the_lease() {
-    let c = Cluster::start(1, 16 << 20, Duration::from_secs(1), 5_000).await;
+    // A lease long enough that a loaded CI machine still claims the rest before it runs out.
+    let lease = Duration::from_secs(2);
+    let c = Cluster::start(1, 16 << 20, lease, 5_000).await;
     let mut producer = c.client("gen-0", &[]);
     let put = producer.call_ok("put step-0 0 64 8 64 8 1", T).await.unwrap();
     let expected = sums(&put);
@@ -28,7 +30,8 @@ async fn a_killed_consumers_samples_are_claimed_again_after_the_lease() {
     b.call_ok("ack", T).await.unwrap();
     assert!(keys(&b.call_ok("claim step-0 train 1000 0 input_ids", T).await.unwrap()).is_empty());
 
-    tokio::time::sleep(Duration::from_millis(1100).saturating_sub(claimed_at.elapsed())).await;
+    assert!(claimed_at.elapsed() < lease, "the test itself ran past the lease");
+    tokio::time::sleep((lease + Duration::from_millis(100)).saturating_sub(claimed_at.elapsed())).await;
     let again = keys(&b.call_ok("claim step-0 train 1000 0 input_ids", T).await.unwrap());
     assert_eq!(again.iter().collect::<BTreeSet<_>>(), lost.iter().collect::<BTreeSet<_>>(), "none lost");
     let got = sums(&b.call_ok("get input_ids,logprobs,loss_mask,reward", T).await.unwrap());
