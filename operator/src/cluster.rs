@@ -110,8 +110,23 @@ pub struct OperatorProcess {
 
 impl OperatorProcess {
     /// Starts `binary run --namespace <namespace> --metrics-addr <free port> <extra args>` and
-    /// waits until `/readyz` answers 200 and it leads (`rlplane_operator_leader 1`).
+    /// waits until it leads (`rlplane_operator_leader 1` on `/metrics`).
     pub fn start(binary: &Path, namespace: &str, extra: &[&str]) -> anyhow::Result<OperatorProcess> {
+        OperatorProcess::spawn(binary, namespace, extra, true)
+    }
+
+    /// Like [`OperatorProcess::start`], but waits only until `/readyz` answers 200 (a standby
+    /// replica that does not lead).
+    pub fn start_standby(binary: &Path, namespace: &str, extra: &[&str]) -> anyhow::Result<OperatorProcess> {
+        OperatorProcess::spawn(binary, namespace, extra, false)
+    }
+
+    /// Whether it leads now.
+    pub fn is_leader(&self) -> bool {
+        self.metrics().is_ok_and(|m| m.lines().any(|l| l.trim() == "rlplane_operator_leader 1"))
+    }
+
+    fn spawn(binary: &Path, namespace: &str, extra: &[&str], lead: bool) -> anyhow::Result<OperatorProcess> {
         let metrics_addr = free_local_addr()?;
         let addr = metrics_addr.to_string();
         let mut args = vec!["run", "--namespace", namespace, "--metrics-addr", &addr];
@@ -128,14 +143,12 @@ impl OperatorProcess {
             if let Some(status) = p.child.try_wait()? {
                 bail!("the operator exited during start-up ({status}); see its log above");
             }
-            let leading = http_get(metrics_addr, "/metrics")
-                .map(|(code, body)| code == 200 && body.lines().any(|l| l.trim() == "rlplane_operator_leader 1"))
-                .unwrap_or(false);
-            if leading {
+            let up = if lead { p.is_leader() } else { http_get(metrics_addr, "/readyz").is_ok_and(|(c, _)| c == 200) };
+            if up {
                 return Ok(p);
             }
             if Instant::now() > deadline {
-                bail!("the operator did not become ready and leader within 60 s");
+                bail!("the operator did not become {} within 60 s", if lead { "the leader" } else { "ready" });
             }
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -1,0 +1,364 @@
+//! The operator against a real cluster (KUBECONFIG), standing in for the kubelet: every manifest's
+//! lifecycle, gang restart, backoff, suspend/resume, Kueue-style admission, deadline, TTL, garbage
+//! collection, invalid specs, the coordinator's status contract and leader fail-over. Without
+//! KUBECONFIG every test prints that it skipped and passes.
+
+use std::time::Duration;
+
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+};
+use kube::{Client, ResourceExt};
+use rlplane_api::{GangScheduler, Phase, RLJob};
+use rlplane_e2e::{Env, condition, coordinator, is_true, live_of_epoch, namespace, workspace};
+use rlplane_operator::cluster::{OperatorProcess, TOOL_FIELD_MANAGER, operator_binary};
+use rlplane_operator::conditions::{FAILED, PODS_CREATED, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED};
+use rlplane_operator::desired::{OperatorConfig, desired, labels, worker_service_account_name};
+use serde_json::json;
+
+const STEP: Duration = Duration::from_secs(60);
+
+fn phase(job: &RLJob) -> Option<Phase> {
+    job.status.as_ref().map(|s| s.phase)
+}
+
+fn epoch(job: &RLJob) -> u32 {
+    job.status.as_ref().map(|s| s.epoch).unwrap_or_default()
+}
+
+/// Whether the cluster serves the PodGroup API of `gang`.
+async fn serves_pod_groups(client: &Client, gang: GangScheduler) -> bool {
+    let api = match gang {
+        GangScheduler::None => return true,
+        GangScheduler::Volcano => "scheduling.volcano.sh/v1beta1",
+        GangScheduler::Coscheduling => "scheduling.x-k8s.io/v1alpha1",
+    };
+    client.list_api_group_resources(api).await.is_ok_and(|l| l.resources.iter().any(|r| r.name == "podgroups"))
+}
+
+/// Reasons of the Events on a job.
+async fn event_reasons(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
+    let events: Api<Event> = Api::namespaced(env.client.clone(), &env.namespace);
+    Ok(events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
+        .filter_map(|e| e.reason)
+        .collect())
+}
+
+async fn ready_all(env: &Env, job: &str, epoch: u32, n: usize) -> anyhow::Result<()> {
+    let pods =
+        env.wait_pods(job, &format!("{n} pods of epoch {epoch}"), STEP, |p| live_of_epoch(p, epoch).len() == n).await?;
+    for p in live_of_epoch(&pods, epoch) {
+        env.set_ready(&p.name_any(), true).await?;
+    }
+    Ok(())
+}
+
+/// create → PodsCreated → all ready → Running → a pod fails → gang restart at epoch 1 → Running
+/// → the coordinator exits 0 → Succeeded, pods and objects deleted.
+async fn lifecycle(env: &Env, file: &str) -> anyhow::Result<()> {
+    let job = env.apply_manifest(file, |_| {}).await?;
+    let name = job.name_any();
+    let n = desired(&job, 0, &OperatorConfig::default())?.pods.len();
+    let gang = job.spec.scheduling.gang;
+    if !serves_pod_groups(&env.client, gang).await {
+        // Without the gang scheduler's API the job cannot start; the operator says so.
+        let job = env
+            .wait_job(&name, "PodsCreated=False/CreateFailed", STEP, |j| {
+                condition(j, PODS_CREATED)
+                    .is_some_and(|(s, r, m)| s == "False" && r == "CreateFailed" && m.contains("PodGroup API"))
+            })
+            .await?;
+        println!(
+            "{file}: the cluster has no {gang:?} PodGroup API; the job reports it: {:?}",
+            condition(&job, PODS_CREATED)
+        );
+        env.jobs().delete(&name, &DeleteParams::background()).await?;
+        return Ok(());
+    }
+
+    let job = env.wait_job(&name, "Starting with PodsCreated", STEP, |j| is_true(j, PODS_CREATED)).await?;
+    assert_eq!(phase(&job), Some(Phase::Starting), "{file}");
+    let pods = env.wait_pods(&name, "the gang", STEP, |p| live_of_epoch(p, 0).len() == n).await?;
+    env.wait_objects(&name, true, STEP).await?;
+    for p in &pods {
+        let spec = p.spec.as_ref().unwrap();
+        assert_eq!(spec.scheduler_name.as_deref(), Some(rlplane_e2e::NO_SCHEDULER));
+        assert_eq!(p.owner_references()[0].uid, job.uid().unwrap(), "{}", p.name_any());
+        if job.spec.trainer.template.is_none() {
+            assert_eq!(spec.service_account_name.as_deref(), Some(worker_service_account_name(&name).as_str()));
+        }
+    }
+    assert!(coordinator(&pods).is_some(), "{file}: one pod runs the coordinator");
+
+    ready_all(env, &name, 0, n).await?;
+    let job = env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    let roles = &job.status.as_ref().unwrap().roles;
+    assert_eq!((roles.trainer.ready + roles.generation.ready + roles.storage.ready) as usize, n);
+    assert!(is_true(&job, RUNNING));
+
+    // A rank dies: the whole gang restarts with a new epoch.
+    let victim =
+        pods.iter().find(|p| coordinator(&pods).map(|c| c.name_any()) != Some(p.name_any())).unwrap_or(&pods[0]);
+    env.exit(&victim.name_any(), 1).await?;
+    let job = env.wait_job(&name, "a gang restart", STEP, |j| epoch(j) == 1).await?;
+    let st = job.status.as_ref().unwrap();
+    assert_eq!(st.restarts, 1, "{file}");
+    let (_, reason, message) = condition(&job, RESTARTING).unwrap();
+    assert!(message.contains(&victim.name_any()), "{file}: {reason}: {message}");
+    env.wait_pods(&name, "the epoch-1 gang only", STEP, |p| live_of_epoch(p, 1).len() == n && p.len() == n).await?;
+    ready_all(env, &name, 1, n).await?;
+    env.wait_job(&name, "Running at epoch 1", STEP, |j| phase(j) == Some(Phase::Running) && epoch(j) == 1).await?;
+
+    // The coordinator finishes: success, and everything but the job goes.
+    let pods = env.pods_of(&name).await?;
+    let coordinator = coordinator(&pods).unwrap().name_any();
+    env.exit(&coordinator, 0).await?;
+    let job = env.wait_job(&name, "Succeeded", STEP, |j| phase(j) == Some(Phase::Succeeded)).await?;
+    assert!(is_true(&job, SUCCEEDED));
+    assert!(job.status.as_ref().unwrap().completion_time.is_some());
+    env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
+    env.wait_objects(&name, false, STEP).await?;
+    let reasons = event_reasons(env, &name).await?;
+    for r in ["PodsCreated", "Running", "GangRestart", "CoordinatorSucceeded"] {
+        assert!(reasons.iter().any(|x| x == r), "{file}: no {r} Event in {reasons:?}");
+    }
+    env.jobs().delete(&name, &DeleteParams::background()).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_manifest_runs_its_lifecycle() -> anyhow::Result<()> {
+    let Some(env) = Env::start("lifecycle").await? else { return Ok(()) };
+    let mut files: Vec<String> = std::fs::read_dir(workspace().join("manifests"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".yaml"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty());
+    for file in &files {
+        println!("lifecycle of manifests/{file}");
+        lifecycle(&env, file).await?;
+    }
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn exhausting_the_backoff_limit_fails_the_job() -> anyhow::Result<()> {
+    let Some(env) = Env::start("backoff").await? else { return Ok(()) };
+    let job = env.apply_manifest("rljob-cpu.yaml", |j| j.spec.run_policy.backoff_limit = 0).await?;
+    let name = job.name_any();
+    ready_all(&env, &name, 0, 3).await?;
+    env.exit(&format!("{name}-gen-0"), 3).await?;
+    let job = env.wait_job(&name, "Failed", STEP, |j| phase(j) == Some(Phase::Failed)).await?;
+    let (status, reason, message) = condition(&job, FAILED).unwrap();
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "BackoffLimitExceeded"));
+    assert!(message.contains(&format!("{name}-gen-0")) && message.contains("exited with code 3"), "{message}");
+    env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn suspend_deletes_everything_but_the_job_and_resume_recreates_it() -> anyhow::Result<()> {
+    let Some(env) = Env::start("suspend").await? else { return Ok(()) };
+    let mut job = env.apply_manifest("rljob-cpu.yaml", |_| {}).await?;
+    let name = job.name_any();
+    ready_all(&env, &name, 0, 3).await?;
+    env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+
+    job.spec.run_policy.suspend = true;
+    env.apply(&job).await?;
+    let suspended = env.wait_job(&name, "Suspended", STEP, |j| phase(j) == Some(Phase::Suspended)).await?;
+    assert!(is_true(&suspended, SUSPENDED));
+    assert!(suspended.status.as_ref().unwrap().start_time.is_none());
+    env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
+    env.wait_objects(&name, false, STEP).await?;
+    env.wait_job(&name, "PodsCreated=False/NoPods", STEP, |j| {
+        condition(j, PODS_CREATED).is_some_and(|c| c.1 == "NoPods")
+    })
+    .await?;
+
+    job.spec.run_policy.suspend = false;
+    env.apply(&job).await?;
+    let resumed = env.wait_job(&name, "resumed", STEP, |j| is_true(j, PODS_CREATED)).await?;
+    assert_eq!(epoch(&resumed), 1, "the suspended gang's token is retired");
+    env.wait_pods(&name, "the gang again", STEP, |p| live_of_epoch(p, 1).len() == 3).await?;
+    env.wait_objects(&name, true, STEP).await?;
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn a_kueue_job_created_suspended_starts_when_admitted() -> anyhow::Result<()> {
+    let Some(env) = Env::start("kueue").await? else { return Ok(()) };
+    let mut job = env
+        .apply_manifest("rljob-cpu.yaml", |j| {
+            j.metadata.labels.get_or_insert_with(Default::default).insert(labels::KUEUE_QUEUE.into(), "team-a".into());
+            j.spec.run_policy.suspend = true;
+        })
+        .await?;
+    let name = job.name_any();
+    let queued = env.wait_job(&name, "Suspended", STEP, |j| phase(j) == Some(Phase::Suspended)).await?;
+    assert!(condition(&queued, SUSPENDED).unwrap().2.contains("Kueue (queue team-a)"));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(env.pods_of(&name).await?.is_empty(), "no pod before admission");
+    // What Kueue does when it admits the workload.
+    job.spec.run_policy.suspend = false;
+    env.apply(&job).await?;
+    env.wait_pods(&name, "the gang", STEP, |p| live_of_epoch(p, 0).len() == 3).await?;
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn the_active_deadline_fails_the_job() -> anyhow::Result<()> {
+    let Some(env) = Env::start("deadline").await? else { return Ok(()) };
+    let job = env.apply_manifest("rljob-cpu.yaml", |j| j.spec.run_policy.active_deadline_seconds = Some(3)).await?;
+    let name = job.name_any();
+    let job = env.wait_job(&name, "DeadlineExceeded", STEP, |j| phase(j) == Some(Phase::Failed)).await?;
+    assert_eq!(condition(&job, FAILED).unwrap().1, "DeadlineExceeded");
+    env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn a_finished_job_is_deleted_after_its_ttl_with_everything_it_owned() -> anyhow::Result<()> {
+    let Some(env) = Env::start("ttl").await? else { return Ok(()) };
+    let job = env.apply_manifest("rljob-cpu.yaml", |j| j.spec.run_policy.ttl_seconds_after_finished = Some(2)).await?;
+    let name = job.name_any();
+    ready_all(&env, &name, 0, 3).await?;
+    let pods = env.pods_of(&name).await?;
+    env.exit(&coordinator(&pods).unwrap().name_any(), 0).await?;
+    env.wait_job(&name, "Succeeded", STEP, |j| phase(j) == Some(Phase::Succeeded)).await?;
+    let deadline = std::time::Instant::now() + STEP;
+    while env.jobs().get_opt(&name).await?.is_some() {
+        assert!(std::time::Instant::now() < deadline, "the RLJob was not deleted after its TTL");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
+    env.wait_objects(&name, false, STEP).await?;
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn deleting_a_running_job_garbage_collects_everything_it_owned() -> anyhow::Result<()> {
+    let Some(env) = Env::start("gc").await? else { return Ok(()) };
+    let job = env.apply_manifest("rljob-cpu-colocated.yaml", |_| {}).await?;
+    let name = job.name_any();
+    let n = desired(&job, 0, &OperatorConfig::default())?.pods.len();
+    ready_all(&env, &name, 0, n).await?;
+    env.wait_objects(&name, true, STEP).await?;
+    env.jobs().delete(&name, &DeleteParams::background()).await?;
+    // The garbage collector follows the owner references (kube-controller-manager).
+    env.wait_pods(&name, "pods collected", STEP, |p| p.is_empty()).await?;
+    env.wait_objects(&name, false, STEP).await?;
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn every_invalid_manifest_is_refused_or_fails_as_invalid_spec() -> anyhow::Result<()> {
+    let Some(env) = Env::start("invalid").await? else { return Ok(()) };
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk("rlplane.dev", "v1alpha1", "RLJob"));
+    let api: Api<DynamicObject> = Api::namespaced_with(env.client.clone(), &env.namespace, &ar);
+    let dir = workspace().join("manifests/invalid");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)?.filter_map(|e| e.ok()).map(|e| e.path()).collect();
+    files.sort();
+    let (mut refused, mut failed) = (Vec::new(), Vec::new());
+    for path in files {
+        let text = std::fs::read_to_string(&path)?;
+        let mut obj: serde_json::Value = serde_saphyr::from_str(&text)?;
+        obj["metadata"]["namespace"] = json!(env.namespace);
+        let name = obj["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let obj: DynamicObject = serde_json::from_value(obj)?;
+        match api.patch(&name, &PatchParams::apply(TOOL_FIELD_MANAGER).force(), &Patch::Apply(&obj)).await {
+            Err(e) => refused.push(format!("{}: {e}", path.display())),
+            Ok(_) => {
+                let job = env
+                    .wait_job(&name, "Failed/InvalidSpec", STEP, |j| {
+                        condition(j, FAILED).is_some_and(|c| c.1 == "InvalidSpec")
+                    })
+                    .await?;
+                assert!(env.pods_of(&name).await?.is_empty(), "{}: an invalid job has no pods", path.display());
+                failed.push(format!("{}: {}", path.display(), condition(&job, FAILED).unwrap().2));
+            }
+        }
+    }
+    println!("refused by the API server:\n  {}\nInvalidSpec:\n  {}", refused.join("\n  "), failed.join("\n  "));
+    env.cleanup().await
+}
+
+/// A client acting as the job's coordinator: a token of `<job>-worker`.
+async fn coordinator_client(env: &Env, job: &str) -> anyhow::Result<Client> {
+    let accounts: Api<ServiceAccount> = Api::namespaced(env.client.clone(), &env.namespace);
+    let request = TokenRequest {
+        spec: TokenRequestSpec { expiration_seconds: Some(600), ..Default::default() },
+        ..Default::default()
+    };
+    let token = accounts
+        .create_token_request(&worker_service_account_name(job), &PostParams::default(), &request)
+        .await?
+        .status
+        .map(|s| s.token)
+        .unwrap_or_default();
+    let mut config = kube::Config::infer().await?;
+    config.auth_info = serde_json::from_value(json!({ "token": token }))?;
+    Ok(Client::try_from(config)?)
+}
+
+#[tokio::test]
+async fn the_coordinator_may_report_its_own_status_and_nothing_else() -> anyhow::Result<()> {
+    let Some(env) = Env::start("coordinator").await? else { return Ok(()) };
+    let job = env.apply_manifest("rljob-cpu.yaml", |_| {}).await?;
+    let other = env.apply_manifest("rljob-cpu.yaml", |j| j.metadata.name = Some("other".into())).await?;
+    let name = job.name_any();
+    env.wait_job(&name, "Starting", STEP, |j| is_true(j, PODS_CREATED)).await?;
+    env.wait_objects(&name, true, STEP).await?;
+
+    let as_coordinator: Api<RLJob> = Api::namespaced(coordinator_client(&env, &name).await?, &env.namespace);
+    let report = json!({
+        "apiVersion": "rlplane.dev/v1alpha1", "kind": "RLJob",
+        "status": {"step": 5, "lastRefit": {"version": 5, "seconds": 0.25, "bytes": 1024, "summary": "v5 0.25s"}},
+    });
+    let pp = PatchParams::apply("rlplane-coordinator");
+    as_coordinator.patch_status(&name, &pp, &Patch::Apply(&report)).await?;
+    let denied = as_coordinator.patch_status(&other.name_any(), &pp, &Patch::Apply(&report)).await;
+    assert!(matches!(denied, Err(kube::Error::Api(ref s)) if s.code == 403), "another job's status: {denied:?}");
+    let denied =
+        as_coordinator.patch(&name, &pp, &Patch::Merge(json!({"spec": {"runPolicy": {"suspend": true}}}))).await;
+    assert!(matches!(denied, Err(kube::Error::Api(ref s)) if s.code == 403), "the spec: {denied:?}");
+
+    // The operator's own status writes leave the coordinator's fields alone.
+    ready_all(&env, &name, 0, 3).await?;
+    let running = env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    let st = running.status.unwrap();
+    assert_eq!(st.step, Some(5));
+    assert_eq!(st.last_refit.map(|r| r.summary), Some("v5 0.25s".to_string()));
+    env.cleanup().await
+}
+
+#[tokio::test]
+async fn a_standby_replica_takes_over_when_the_leader_stops() -> anyhow::Result<()> {
+    let Some((client, ns)) = namespace("leader").await? else { return Ok(()) };
+    let binary = operator_binary(&workspace())?;
+    let mut first = OperatorProcess::start(&binary, &ns, &[])?;
+    let second = OperatorProcess::start_standby(&binary, &ns, &[])?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(first.is_leader() && !second.is_leader(), "exactly one replica leads");
+    // SIGTERM releases the lease: the standby leads well before the lease would expire.
+    assert!(first.terminate(), "graceful exit");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !second.is_leader() {
+        assert!(std::time::Instant::now() < deadline, "the standby did not take over within 10 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let env = Env { client, namespace: ns, operator: second };
+    let job = env.apply_manifest("rljob-cpu.yaml", |_| {}).await?;
+    env.wait_pods(&job.name_any(), "the new leader's pods", STEP, |p| live_of_epoch(p, 0).len() == 3).await?;
+    env.cleanup().await
+}
