@@ -555,35 +555,37 @@ async fn follower_peer(a: FollowerArgs) -> anyhow::Result<()> {
 async fn raw_sink_peer() -> anyhow::Result<()> {
     let listener = net::bind("127.0.0.1:0", "the raw sink").await?;
     say(json!({"ok": true, "listen": listener.local_addr()?.to_string()})).await?;
-    let mut buf = vec![0u8; 8 << 20];
-    // One stream after another; each reports its bytes and seconds (first byte to end).
+    // One stream after another: a u64 length, then that many bytes, received into a fresh buffer
+    // of that size — where a consumer's bytes land too (a reused small buffer would stay in cache
+    // and never fault, which no real consumer gets). Reports bytes and seconds from the first
+    // byte to the last.
     loop {
         let (mut s, _) = listener.accept().await?;
         net::tune(&s);
-        let mut total = 0u64;
+        let len = s.read_u64_le().await? as usize;
+        let mut buf = crate::tq::codec::receive_buffer(len);
+        let mut got = 0usize;
         let mut start = None;
-        loop {
-            let n = s.read(&mut buf).await?;
+        while got < len {
+            let n = s.read(&mut buf[got..]).await?;
             if n == 0 {
-                break;
+                bail!("the raw stream ended after {got} of {len} bytes");
             }
             start.get_or_insert_with(Instant::now);
-            total += n as u64;
+            got += n;
         }
         let secs = start.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
-        say(json!({"ok": true, "bytes": total, "secs": secs})).await?;
+        std::hint::black_box(&buf);
+        say(json!({"ok": true, "bytes": got, "secs": secs})).await?;
     }
 }
 
-/// Streams `bytes` to the raw sink at `addr` and returns the sink's GB/s.
+/// Streams the first `bytes` of `buf` to the raw sink at `addr` and returns the sink's GB/s.
 async fn raw_stream(sink: &mut PeerProcess, addr: &str, bytes: u64, buf: &[u8]) -> anyhow::Result<f64> {
     let mut s = net::connect_retry(addr, tokio::time::Instant::now() + T, "the raw sink").await?;
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(buf.len() as u64) as usize;
-        s.write_all(&buf[..n]).await?;
-        left -= n as u64;
-    }
+    let n = (bytes as usize).min(buf.len());
+    s.write_u64_le(n as u64).await?;
+    s.write_all(&buf[..n]).await?;
     s.shutdown().await?;
     let v = sink.recv(T).await?;
     Ok(v["bytes"].as_f64().unwrap_or(0.0) / v["secs"].as_f64().unwrap_or(f64::INFINITY) / 1e9)
@@ -818,7 +820,12 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     let mut sink = PeerProcess::spawn(&exe, "raw-sink", &["raw-sink".into()])?;
     let v = sink.recv(T).await?;
     let sink_addr = v["listen"].as_str().ok_or_else(|| anyhow!("raw sink said {v}"))?.to_string();
-    let raw_buf = vec![7u8; 8 << 20];
+    // A step-sized source of distinct bytes (not a small buffer resent from cache), like the
+    // stored columns a storage unit sends.
+    let step_guess = a.samples as usize * ((response.0 + response.1) as usize / 2 + a.prompt_tokens as usize) * 13 * 2;
+    let mut raw_buf = vec![0u8; step_guess];
+    let mut m = Mix(1);
+    raw_buf.chunks_mut(8).for_each(|c| c.copy_from_slice(&m.next().to_le_bytes()[..c.len()]));
 
     // Steps.
     let per_producer = a.samples.div_ceil(s);
