@@ -86,8 +86,28 @@ pub enum PeerRole {
     Client(ClientArgs),
     /// A data-parallel follower receiving fanned-out batches.
     Follower(FollowerArgs),
-    /// A raw TCP sink: accepts one stream, reads it to the end, reports bytes and seconds.
+    /// A raw TCP sink: accepts streams one after another, reports bytes and seconds of each.
     RawSink,
+    /// A standalone controller (commands: status PARTITION, exit), e.g. for peers in other
+    /// languages.
+    Controller(ControllerArgs),
+}
+
+/// A controller peer.
+#[derive(Debug, clap::Args)]
+pub struct ControllerArgs {
+    /// Listen address (port 0: any free port; the first reply says which).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Job token.
+    #[arg(long)]
+    pub token: String,
+    /// Storage units, `ID=ADDR,ID=ADDR`.
+    #[arg(long, default_value = "")]
+    pub units: String,
+    /// Claim lease in milliseconds.
+    #[arg(long, default_value_t = 60_000)]
+    pub lease_ms: u64,
 }
 
 /// A storage peer.
@@ -174,6 +194,7 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
             PeerRole::Client(a) => client_peer(a).await,
             PeerRole::Follower(a) => follower_peer(a).await,
             PeerRole::RawSink => raw_sink_peer().await,
+            PeerRole::Controller(a) => controller_peer(a).await,
         }
     })
 }
@@ -547,6 +568,35 @@ async fn follower_peer(a: FollowerArgs) -> anyhow::Result<()> {
         match f.receive().await {
             Ok(b) => say(json!({"ok": true, "batch": batch_checksum(&b), "samples": b.meta.samples.len()})).await?,
             Err(e) => return say(error_json(&e)).await,
+        }
+    }
+    Ok(())
+}
+
+async fn controller_peer(a: ControllerArgs) -> anyhow::Result<()> {
+    let units = parse_units(&a.units)?;
+    let controller =
+        TqController::new(ControllerConfig { token: a.token, lease: Duration::from_millis(a.lease_ms), units });
+    let listener = net::bind(&a.listen, "the transfer-queue controller").await?;
+    say(json!({"ok": true, "listen": listener.local_addr()?.to_string()})).await?;
+    tokio::spawn(controller.clone().serve(listener));
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        let (cmd, arg) = line.trim().split_once(' ').unwrap_or((line.trim(), ""));
+        match cmd {
+            "status" => match controller.status(arg) {
+                Some(st) => {
+                    say(json!({
+                        "ok": true, "samples": st.samples, "fields": st.fields, "units": st.units,
+                        "lost": st.lost.map(|(u, r)| json!({"unit": u, "reason": r})),
+                        "groups": st.groups.iter().map(|g| json!({"group": g.group, "claimed": g.claimed, "acked": g.acked})).collect::<Vec<_>>(),
+                    }))
+                    .await?
+                }
+                None => say(json!({"ok": true, "samples": 0})).await?,
+            },
+            "exit" => break,
+            other => say(json!({"ok": false, "error": format!("unknown command `{other}`")})).await?,
         }
     }
     Ok(())

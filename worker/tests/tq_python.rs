@@ -1,0 +1,219 @@
+//! The wire format as `docs/transfer-queue.md` documents it, spoken by a Python peer (plain
+//! sockets + numpy): it puts into a storage unit, registers with the controller, claims, gets and
+//! acknowledges; a Rust client then reads the Python-put samples in another group. Skipped, saying
+//! so, where python3 with numpy is not installed.
+
+mod tq_support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rlplane::bench::tq::PeerProcess;
+use rlplane::tq::{ClientConfig, TqClient, WriteRole};
+use rlplane_api::TqPlacement;
+use tq_support::*;
+
+const PRODUCER: &str = r#"
+import socket, struct, sys
+import numpy as np
+
+token, ctl_host, ctl_port, unit_host, unit_port, unit_id = sys.argv[1:7]
+unit_id = int(unit_id)
+
+def s(x): b = x.encode(); return struct.pack("<I", len(b)) + b
+def strs(xs): return struct.pack("<I", len(xs)) + b"".join(s(x) for x in xs)
+def frame(b): return struct.pack("<I", len(b)) + b
+DT = {"int64": 8, "float32": 11}
+
+def recv_exact(sock, n):
+    buf = bytearray(n); view = memoryview(buf); got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0: raise EOFError("closed")
+        got += k
+    return bytes(buf)
+
+def connect(host, port, magic):
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(frame(magic + struct.pack("<H", 1) + s(token) + s("py-peer") + struct.pack("<I", 0)))
+    if recv_exact(sock, 1) != b"\0":
+        n = struct.unpack("<I", recv_exact(sock, 4))[0]
+        raise RuntimeError("refused: " + recv_exact(sock, n).decode())
+    return sock
+
+def header(kind, rid=1): return struct.pack("<HBBI", 1, kind, 0, rid) + s(token)
+
+class R:
+    def __init__(self, b): self.b, self.i = b, 0
+    def take(self, n): v = self.b[self.i:self.i + n]; self.i += n; return v
+    def u8(self): return self.take(1)[0]
+    def u16(self): return struct.unpack("<H", self.take(2))[0]
+    def u32(self): return struct.unpack("<I", self.take(4))[0]
+    def u64(self): return struct.unpack("<Q", self.take(8))[0]
+    def str(self): return self.take(self.u32()).decode()
+    def spec(self):
+        name, dtype, ragged, ndim = self.str(), self.u8(), self.u8(), self.u8()
+        return name, dtype, ragged, [self.u32() for _ in range(ndim)]
+    def meta(self):
+        part = self.str(); schema = [self.spec() for _ in range(self.u32())]; samples = []
+        for _ in range(self.u32()):
+            key, unit, tokens = self.str(), self.u32(), self.u32()
+            rows = [self.u32() for _ in schema]
+            tags = [(self.str(), self.str()) for _ in range(self.u32())]
+            samples.append((key, unit, tokens, rows, tags))
+        return part, schema, samples
+
+def reply(sock):
+    r = R(recv_exact(sock, struct.unpack("<I", recv_exact(sock, 4))[0]))
+    version, kind, _flags, _rid = r.u16(), r.u8(), r.u8(), r.u32(); r.str()
+    assert version == 1
+    if kind == 127: raise RuntimeError("error %d: %s" % (r.u16(), r.str()))
+    return kind, r
+
+def spec(name, dtype, ragged, inner=()):
+    return s(name) + struct.pack("<BBB", DT[dtype], ragged, len(inner)) + b"".join(struct.pack("<I", d) for d in inner)
+
+# Three samples: ragged int64 input_ids (lengths 5, 0, 3), scalar float32 reward, fixed float32 emb[2].
+keys = ["py_g0", "py_g1", "py_g2"]
+ids = [np.arange(5, dtype="<i8") * 7, np.zeros(0, dtype="<i8"), np.array([-1, 2**40, 3], dtype="<i8")]
+values = np.concatenate(ids); offsets = np.array([0, 5, 5, 8], dtype="<u8")
+reward = np.array([1.0, 0.0, 0.5], dtype="<f4")
+emb = np.arange(6, dtype="<f4").reshape(3, 2)
+block = struct.pack("<II", 3, 3) + spec("input_ids", "int64", 1) + struct.pack("<Q", values.nbytes) \
+      + spec("reward", "float32", 0) + struct.pack("<Q", reward.nbytes) \
+      + spec("emb", "float32", 0, (2,)) + struct.pack("<Q", emb.nbytes)
+
+unit = connect(unit_host, unit_port, b"TQSU")
+unit.sendall(frame(header(16) + s("py-step") + strs(keys) + block))
+for buf in (offsets, values, reward, emb):
+    unit.sendall(struct.pack("<Q", buf.nbytes)); unit.sendall(memoryview(buf).cast("B"))
+kind, r = reply(unit)
+assert kind == 68 and r.u64() == values.nbytes + reward.nbytes + emb.nbytes, kind
+
+ctl = connect(ctl_host, ctl_port, b"TQCT")
+meta = s("py-step") + struct.pack("<I", 3) + spec("input_ids", "int64", 1) + spec("reward", "float32", 0) \
+     + spec("emb", "float32", 0, (2,)) + struct.pack("<I", 3)
+for k, x in zip(keys, ids):
+    meta += s(k) + struct.pack("<III", unit_id, len(x), len(x)) + struct.pack("<II", 1, 1) \
+          + struct.pack("<I", 1) + s("uid") + s("py")
+ctl.sendall(frame(header(1) + meta))
+assert reply(ctl)[0] == 64
+
+ctl.sendall(frame(header(2) + s("py-step") + s("py-group") + struct.pack("<II", 10, 0) + strs(["input_ids"])))
+kind, r = reply(ctl)
+assert kind == 65
+claim_id, _lease = r.u64(), r.u64()
+part, schema, samples = r.meta()
+claimed = [k for k, *_ in samples]
+assert sorted(claimed) == keys, claimed
+assert all(tags == [("uid", "py")] for *_, tags in samples)
+
+unit.sendall(frame(header(17, 2) + s("py-step") + strs(claimed) + strs(["input_ids", "reward", "emb"])))
+kind, r = reply(unit)
+assert kind == 69
+n, ncols = r.u32(), r.u32()
+cols = [(r.spec(), r.u64()) for _ in range(ncols)]
+got = {}
+for (name, dtype, ragged, inner), nbytes in cols:
+    off = None
+    if ragged:
+        ln = struct.unpack("<Q", recv_exact(unit, 8))[0]; assert ln == (n + 1) * 8
+        off = np.frombuffer(recv_exact(unit, ln), dtype="<u8")
+    ln = struct.unpack("<Q", recv_exact(unit, 8))[0]; assert ln == nbytes
+    buf = np.empty(nbytes, dtype=np.uint8); unit.recv_into(memoryview(buf), nbytes, socket.MSG_WAITALL)
+    got[name] = (off, buf.view("<i8" if dtype == 8 else "<f4"))
+order = {k: i for i, k in enumerate(keys)}
+for j, k in enumerate(claimed):
+    off, v = got["input_ids"]
+    assert np.array_equal(v[off[j]:off[j + 1]], ids[order[k]]), k
+    assert got["reward"][1][j] == reward[order[k]]
+    assert np.array_equal(got["emb"][1].reshape(n, 2)[j], emb[order[k]])
+
+ctl.sendall(frame(header(3) + s("py-step") + s("py-group") + struct.pack("<Q", claim_id) + strs(claimed)))
+kind, r = reply(ctl)
+assert kind == 66 and r.u32() == 3
+print("OK")
+"#;
+
+fn python_with_numpy() -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", "import numpy"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_peer_speaks_the_documented_wire_format() {
+    if !python_with_numpy() {
+        eprintln!("SKIPPED: python3 with numpy is not installed (pip install numpy to run this test)");
+        return;
+    }
+    let mut unit = PeerProcess::spawn(
+        exe(),
+        "tq-0",
+        &[
+            "storage".into(),
+            "--unit".into(),
+            "4".into(),
+            "--token".into(),
+            TOKEN.into(),
+            "--capacity".into(),
+            "1048576".into(),
+        ],
+    )
+    .unwrap();
+    let unit_addr = unit.recv(T).await.unwrap()["listen"].as_str().unwrap().to_string();
+    let mut ctl = PeerProcess::spawn(
+        exe(),
+        "coordinator",
+        &["controller".into(), "--token".into(), TOKEN.into(), "--units".into(), format!("4={unit_addr}")],
+    )
+    .unwrap();
+    let ctl_addr = ctl.recv(T).await.unwrap()["listen"].as_str().unwrap().to_string();
+    let (ch, cp) = ctl_addr.rsplit_once(':').unwrap();
+    let (uh, up) = unit_addr.rsplit_once(':').unwrap();
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", PRODUCER, TOKEN, ch, cp, uh, up, "4"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("OK"), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let st = ctl.call_ok("status py-step", T).await.unwrap();
+    assert_eq!(st["samples"], 3);
+    assert_eq!(st["groups"][0]["acked"], 3);
+
+    // A Rust client reads what Python put.
+    let client = TqClient::new(
+        ClientConfig {
+            token: TOKEN.into(),
+            name: "trainer-0".into(),
+            controller: ctl_addr.clone(),
+            units: BTreeMap::from([(4, unit_addr.clone())]),
+            placement: TqPlacement::Dedicated,
+            home_unit: None,
+            put_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            role: WriteRole::Writer,
+        },
+        None,
+    )
+    .unwrap();
+    let claim = client.claim("py-step", "rust", 10, &["input_ids", "emb"]).await.unwrap();
+    let batch = client.get(&claim.meta, &["input_ids", "reward", "emb"]).await.unwrap();
+    let ids = batch.column("input_ids").unwrap();
+    let emb = batch.column("emb").unwrap();
+    for (i, s) in batch.meta.samples.iter().enumerate() {
+        let expect: Vec<i64> = match s.key.as_str() {
+            "py_g0" => (0..5).map(|x| x * 7).collect(),
+            "py_g1" => vec![],
+            "py_g2" => vec![-1, 1 << 40, 3],
+            other => panic!("unexpected key {other}"),
+        };
+        assert_eq!(ids.sample_as::<i64>(i).unwrap(), expect, "{}", s.key);
+        let j = s.key.as_bytes()[4] - b'0';
+        assert_eq!(emb.sample_as::<f32>(i).unwrap(), vec![2.0 * j as f32, 2.0 * j as f32 + 1.0]);
+        assert_eq!(s.tags, vec![("uid".to_string(), "py".to_string())]);
+    }
+}
