@@ -50,6 +50,12 @@ pub struct Args {
     /// Consumers (data-parallel leaders).
     #[arg(long, default_value_t = 2)]
     pub consumers: u32,
+    /// Ranks per data-parallel shard (the consumer is the shard's leader; the others follow).
+    #[arg(long, default_value_t = 1)]
+    pub ranks_per_shard: u32,
+    /// `leader-broadcast` (the leader fetches and fans out) or `independent` (every rank fetches).
+    #[arg(long, default_value = "leader-broadcast")]
+    pub fetch: String,
     /// Steps to run; medians are reported (the first step, which opens connections, is skipped
     /// when there are at least three).
     #[arg(long, default_value_t = 5)]
@@ -385,7 +391,8 @@ struct ClientState {
     claim: Option<crate::tq::Claim>,
     meta: Option<BatchMeta>,
     batch: Option<Batch>,
-    leader: Option<tokio::task::JoinHandle<Result<TcpFanoutLeader, TqError>>>,
+    accepting: Option<tokio::task::JoinHandle<Result<TcpFanoutLeader, TqError>>>,
+    leader: Option<TcpFanoutLeader>,
     token: String,
 }
 
@@ -418,7 +425,16 @@ async fn client_peer(a: ClientArgs) -> anyhow::Result<()> {
         },
     };
     let client = TqClient::new(config, hosted.clone())?;
-    let mut st = ClientState { client, hosted, claim: None, meta: None, batch: None, leader: None, token: a.token };
+    let mut st = ClientState {
+        client,
+        hosted,
+        claim: None,
+        meta: None,
+        batch: None,
+        accepting: None,
+        leader: None,
+        token: a.token,
+    };
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Some(line) = lines.next_line().await? {
         let line = line.trim().to_string();
@@ -535,7 +551,7 @@ async fn client_command(st: &mut ClientState, line: &str) -> anyhow::Result<Valu
             let listener = net::bind("127.0.0.1:0", "the fan-out group").await?;
             let addr = listener.local_addr()?.to_string();
             let token = st.token.clone();
-            st.leader = Some(tokio::spawn(async move {
+            st.accepting = Some(tokio::spawn(async move {
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
                 TcpFanoutLeader::accept(&listener, &token, &names, deadline).await
             }));
@@ -544,10 +560,14 @@ async fn client_command(st: &mut ClientState, line: &str) -> anyhow::Result<Valu
         // fanout: broadcast the current batch to the accepted followers.
         "fanout" => {
             let b = st.batch.as_ref().ok_or_else(|| anyhow!("`fanout` before `get`"))?;
-            let handle = st.leader.take().ok_or_else(|| anyhow!("`fanout` before `lead`"))?;
-            let mut leader = handle.await??;
+            if let Some(handle) = st.accepting.take() {
+                st.leader = Some(handle.await??);
+            }
+            let leader = st.leader.as_mut().ok_or_else(|| anyhow!("`fanout` before `lead`"))?;
+            let t = Instant::now();
             leader.broadcast(b).await?;
-            Ok(json!({"ok": true, "batch": batch_checksum(b), "followers": leader.followers()}))
+            let secs = t.elapsed().as_secs_f64();
+            Ok(json!({"ok": true, "batch": batch_checksum(b), "followers": leader.followers(), "secs": secs}))
         }
         "stats" => {
             let (rss, hwm) = rss();
@@ -858,6 +878,57 @@ async fn bench(a: Args) -> anyhow::Result<()> {
             ],
         )?);
     }
+    // Followers of each shard: fan-out receivers, or ranks that fetch for themselves.
+    let independent = match a.fetch.as_str() {
+        "leader-broadcast" => false,
+        "independent" => true,
+        other => bail!("--fetch `{other}`: use leader-broadcast or independent"),
+    };
+    let mut followers: Vec<Vec<PeerProcess>> = Vec::new();
+    for (c, leader) in consumers.iter_mut().enumerate() {
+        let names: Vec<String> = (1..a.ranks_per_shard).map(|r| format!("trainer-{c}-{r}")).collect();
+        let mut shard = Vec::new();
+        if !names.is_empty() && !independent {
+            let v = leader.call_ok(&format!("lead {}", names.join(",")), T).await?;
+            let addr = v["listen"].as_str().ok_or_else(|| anyhow!("leader said {v}"))?.to_string();
+            for n in &names {
+                shard.push(PeerProcess::spawn(
+                    &exe,
+                    n,
+                    &[
+                        "follower".into(),
+                        "--name".into(),
+                        n.clone(),
+                        "--token".into(),
+                        token.clone(),
+                        "--leader".into(),
+                        addr.clone(),
+                        "--batches".into(),
+                        a.steps.to_string(),
+                    ],
+                )?);
+            }
+        } else {
+            for n in &names {
+                shard.push(PeerProcess::spawn(
+                    &exe,
+                    n,
+                    &[
+                        "client".into(),
+                        "--name".into(),
+                        n.clone(),
+                        "--token".into(),
+                        token.clone(),
+                        "--controller".into(),
+                        ctl_addr.clone(),
+                        "--units".into(),
+                        units_arg.clone(),
+                    ],
+                )?);
+            }
+        }
+        followers.push(shard);
+    }
     let controller = TqController::new(ControllerConfig {
         token: token.clone(),
         lease: Duration::from_secs(60),
@@ -924,17 +995,31 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         };
         let tokens: Vec<u32> = claim.meta.samples.iter().map(|s| s.tokens).collect();
         let assignment = assign(&tokens, consumers.len())?;
-        for (c, idx) in consumers.iter_mut().zip(&assignment.shards) {
-            let shard = claim.meta.subset(idx);
-            c.call_ok(&format!("meta {}", serde_json::to_string(&shard)?), T).await?;
+        for ((c, idx), shard) in consumers.iter_mut().zip(&assignment.shards).zip(followers.iter_mut()) {
+            let line = format!("meta {}", serde_json::to_string(&claim.meta.subset(idx))?);
+            c.call_ok(&line, T).await?;
+            if independent {
+                for f in shard.iter_mut() {
+                    f.call_ok(&line, T).await?;
+                }
+            }
         }
-        for c in consumers.iter_mut() {
-            c.send("get input_ids,logprobs,loss_mask,reward").await?;
+        const FIELDS: &str = "get input_ids,logprobs,loss_mask,reward";
+        let tf = Instant::now();
+        for (c, shard) in consumers.iter_mut().zip(followers.iter_mut()) {
+            c.send(FIELDS).await?;
+            if independent {
+                for f in shard.iter_mut() {
+                    f.send(FIELDS).await?;
+                }
+            } else if !shard.is_empty() {
+                c.send("fanout").await?;
+            }
         }
         let mut get_secs: f64 = 0.0;
         let mut get_bytes = 0u64;
         let mut seen = 0usize;
-        for c in consumers.iter_mut() {
+        for (c, shard) in consumers.iter_mut().zip(followers.iter_mut()) {
             let v = c.recv(T).await?;
             if v["ok"] != json!(true) {
                 bail!("consumer {} failed: {v}", c.name());
@@ -947,7 +1032,22 @@ async fn bench(a: Args) -> anyhow::Result<()> {
                     bail!("sample {k}: consumer {} got checksum {sum}, producer put {:?}", c.name(), expected.get(k));
                 }
             }
+            // Every other rank of the shard must end up with the leader's exact batch.
+            let want = v["batch"].clone();
+            if !independent && !shard.is_empty() {
+                let fv = c.recv(T).await?;
+                if fv["ok"] != json!(true) {
+                    bail!("fan-out from {} failed: {fv}", c.name());
+                }
+            }
+            for f in shard.iter_mut() {
+                let fv = f.recv(T).await?;
+                if fv["ok"] != json!(true) || fv["batch"] != want {
+                    bail!("rank {} of shard {} got {fv}, its leader {want}", f.name(), c.name());
+                }
+            }
         }
+        let shard_fetch_secs = tf.elapsed().as_secs_f64();
         if seen != expected.len() {
             bail!("consumers got {seen} samples of {}", expected.len());
         }
@@ -972,6 +1072,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
             "put_gbps": put_bytes as f64 / put_secs / 1e9, "get_gbps": get_bytes as f64 / get_secs / 1e9,
             "put_to_get_ms": put_to_get * 1e3, "imbalance": assignment.imbalance,
             "raw_gbps": raw_gbps, "get_over_raw": get_bytes as f64 / get_secs / 1e9 / raw_gbps,
+            "shard_fetch_ms": shard_fetch_secs * 1e3,
             "storage_rss": rss_total, "storage_hwm": hwm_total,
         }));
         eprintln!(
@@ -991,6 +1092,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     let rss_last = step_rows.last().map(|r| r["storage_rss"].as_u64().unwrap_or(0)).unwrap_or(0);
 
     let raw = median(&col("raw_gbps"));
+    let shard_fetch_ms = median(&col("shard_fetch_ms"));
     let ratio = median(&col("get_over_raw"));
 
     // Claim latency on a large partition, in-process and over TCP.
@@ -1056,7 +1158,9 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         lat.insert(label, (percentile(&times, 0.5), percentile(&times, 0.99)));
     }
     controller.clear(cpart).await;
-    for p in storage.iter_mut().chain(producers.iter_mut()).chain(consumers.iter_mut()) {
+    for p in
+        storage.iter_mut().chain(producers.iter_mut()).chain(consumers.iter_mut()).chain(followers.iter_mut().flatten())
+    {
         let _ = p.send("exit").await;
     }
 
@@ -1065,6 +1169,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         "storage_units": s, "consumers": a.consumers, "steps": a.steps,
         "step_bytes": total_bytes, "put_gbps": put_gbps, "get_gbps": get_gbps, "put_to_get_ms": p2g,
         "raw_gbps": raw, "get_over_raw": ratio,
+        "ranks_per_shard": a.ranks_per_shard, "fetch": a.fetch, "shard_fetch_ms": shard_fetch_ms,
         "claim_us": lat.iter().map(|(k, (p50, p99))| (k.to_string(), json!({"p50": p50, "p99": p99}))).collect::<serde_json::Map<_, _>>(),
         "storage_rss_bytes": rss_last, "storage_peak_rss_bytes": rss_peak,
         "steps_detail": step_rows,
@@ -1079,6 +1184,10 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     println!("  raw loopback stream   {:>10.2} GB/s", raw);
     println!("  get / raw (per step)  {:>10.2}", ratio);
     println!("  put→get (step)        {:>10.1} ms", p2g);
+    println!(
+        "  every rank has its batch {:>7.1} ms   ({} ranks per shard, fetch {})",
+        shard_fetch_ms, a.ranks_per_shard, a.fetch
+    );
     for (k, (p50, p99)) in &lat {
         println!("  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   ({n}-sample partition)", k, p50, p99);
     }
