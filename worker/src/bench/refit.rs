@@ -78,9 +78,13 @@ pub struct Args {
     /// Model preset: tiny, qwen3-0.6b or llama3-8b.
     #[arg(long, default_value = "qwen3-0.6b")]
     pub model: ModelPreset,
-    /// Receivers (generation ranks), each its own process.
+    /// Receivers (generation ranks), each its own process. A list (`1,3,7`) measures each size in
+    /// turn, interleaved round by round, so that load changes on the machine hit every size alike.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub receivers: Vec<u32>,
+    /// Rounds of a sweep: each round starts every group size afresh and times `--iters` refits.
     #[arg(long, default_value_t = 1)]
-    pub receivers: u32,
+    pub rounds: u32,
     /// Staging buffers per stream (spec.refit.numBuffers).
     #[arg(long, default_value_t = 2)]
     pub buffers: u32,
@@ -90,7 +94,7 @@ pub struct Args {
     /// Alignment of tensors in a bucket (spec.refit.alignBytes).
     #[arg(long, default_value_t = 256)]
     pub align_bytes: u64,
-    /// Timed refits (and raw streams), after one untimed warm-up of each.
+    /// Timed refits (and raw streams) per round, after one untimed warm-up of each.
     #[arg(long, default_value_t = 5)]
     pub iters: u32,
     /// Gathered (one sender) or sharded (tp × pp senders).
@@ -1069,15 +1073,33 @@ pub struct BenchReport {
 /// Runs the benchmark.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let TransportArg::Tcp = args.transport;
-    if args.receivers == 0 {
-        bail!("--receivers must be at least 1");
+    if args.receivers.is_empty() || args.receivers.contains(&0) {
+        bail!("--receivers: every group size must be at least 1 (e.g. --receivers 1,3,7)");
+    }
+    if args.iters == 0 || args.rounds == 0 {
+        bail!("--iters and --rounds must be at least 1");
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let report = rt.block_on(bench(&args))?;
+    let reports = rt.block_on(bench(&args))?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        println!("{}", serde_json::to_string_pretty(&reports)?);
         return Ok(());
     }
+    for report in &reports {
+        print_report(report);
+    }
+    if reports.len() > 1 {
+        let base = &reports[0];
+        let ratios: Vec<String> = reports[1..]
+            .iter()
+            .map(|r| format!("R={}: {:.2}", r.receivers, r.delivered_gbps / base.delivered_gbps))
+            .collect();
+        println!("delivered rate relative to R={}: {}", base.receivers, ratios.join(", "));
+    }
+    Ok(())
+}
+
+fn print_report(report: &BenchReport) {
     let gb = report.bytes as f64 / 1e9;
     println!(
         "refit bench: model {} ({} tensors, {gb:.2} GB), transport tcp, {} sender(s) → {} receiver(s), {} buffers \
@@ -1112,12 +1134,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         r.transfer_secs, r.unpack_secs, r.buffer_wait_secs, r.direct_bytes, r.staged_bytes
     );
     println!("  checksums: {} receiver refits verified (outside the timed region)", report.verified);
-    Ok(())
 }
 
-async fn bench(args: &Args) -> anyhow::Result<BenchReport> {
+/// Timed samples of one group size.
+#[derive(Default)]
+struct Samples {
+    raws: Vec<f64>,
+    refits: Vec<Round>,
+    verified: u32,
+    senders: u32,
+    buckets: u32,
+}
+
+async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
     let mut o = HarnessOptions::new(crate::proc::self_exe()?, ModelSpec::preset(args.model));
-    o.receivers = args.receivers;
     o.buffers = args.buffers;
     o.bucket_bytes = args.bucket_bytes;
     o.align_bytes = args.align_bytes;
@@ -1130,57 +1160,70 @@ async fn bench(args: &Args) -> anyhow::Result<BenchReport> {
         SourceArg::Sharded => (RefitSource::Sharded, args.tp, args.pp),
     };
     o.raw = true;
-    let mut h = Harness::start(o).await?;
-    let raw_enabled = h.senders().len() == 1;
-    let mut raws = Vec::new();
-    let mut refits: Vec<Round> = Vec::new();
-    let mut verified = 0;
-    for version in 0..=args.iters as u64 {
-        if raw_enabled {
-            let secs = h.raw().await?;
-            if version > 0 {
-                raws.push(secs);
+    let mut samples: Vec<Samples> = args.receivers.iter().map(|_| Samples::default()).collect();
+    let mut version = 0u64;
+    let mut bytes = 0;
+    let mut tensors = 0;
+    for _ in 0..args.rounds {
+        for (i, &receivers) in args.receivers.iter().enumerate() {
+            let mut h = Harness::start(HarnessOptions { receivers, ..o.clone() }).await?;
+            let raw_enabled = h.senders().len() == 1;
+            let s = &mut samples[i];
+            s.senders = h.senders().len() as u32;
+            bytes = h.manifest_bytes();
+            tensors = h.plan.manifest().len();
+            // Iteration 0 warms up (the first write faults the fresh destination pages in).
+            for iter in 0..=args.iters {
+                version += 1;
+                if raw_enabled {
+                    let secs = h.raw().await?;
+                    if iter > 0 {
+                        s.raws.push(secs);
+                    }
+                }
+                let round = h.refit(version).await?;
+                if !round.all_ok() {
+                    bail!("refit {version} failed: {}", round.describe_failures());
+                }
+                s.verified += round.receivers.len() as u32;
+                s.buckets = round.senders[0].stats.as_ref().map_or(0, |st| st.buckets);
+                if iter > 0 {
+                    s.refits.push(round);
+                }
             }
-        }
-        let round = h.refit(version).await?;
-        if !round.all_ok() {
-            bail!("refit {version} failed: {}", round.describe_failures());
-        }
-        verified += round.receivers.len() as u32;
-        if version > 0 {
-            refits.push(round);
+            h.quit().await?;
         }
     }
-    let bytes = h.manifest_bytes();
-    let manifest = h.plan.manifest();
-    let buckets = refits[0].senders[0].stats.as_ref().map_or(0, |s| s.buckets);
-    let senders = h.senders().len() as u32;
-    h.quit().await?;
-    let mut secs: Vec<f64> = refits.iter().map(Round::secs).collect();
-    let refit_secs = median(&mut secs);
-    let median_round = refits
-        .iter()
-        .min_by(|a, b| (a.secs() - refit_secs).abs().total_cmp(&(b.secs() - refit_secs).abs()))
-        .expect("at least one refit");
-    let raw_secs = raw_enabled.then(|| median(&mut raws));
-    Ok(BenchReport {
-        model: args.model.to_string(),
-        tensors: manifest.len(),
-        bytes,
-        receivers: args.receivers,
-        senders,
-        buffers: args.buffers,
-        bucket_bytes: args.bucket_bytes,
-        buckets,
-        iters: args.iters,
-        refit_secs,
-        refit_gbps: bytes as f64 / refit_secs / 1e9,
-        delivered_gbps: args.receivers as f64 * bytes as f64 / refit_secs / 1e9,
-        raw_secs,
-        raw_gbps: raw_secs.map(|s| bytes as f64 / s / 1e9),
-        ratio_to_raw: raw_secs.map(|s| s / refit_secs),
-        sender_stats: median_round.senders[0].stats.clone().unwrap_or_default(),
-        receiver_stats: median_round.receivers[0].stats.clone().unwrap_or_default(),
-        verified,
-    })
+    let mut reports = Vec::new();
+    for (s, &receivers) in samples.iter_mut().zip(&args.receivers) {
+        let mut secs: Vec<f64> = s.refits.iter().map(Round::secs).collect();
+        let refit_secs = median(&mut secs);
+        let median_round = s
+            .refits
+            .iter()
+            .min_by(|a, b| (a.secs() - refit_secs).abs().total_cmp(&(b.secs() - refit_secs).abs()))
+            .expect("at least one refit");
+        let raw_secs = (!s.raws.is_empty()).then(|| median(&mut s.raws));
+        reports.push(BenchReport {
+            model: args.model.to_string(),
+            tensors,
+            bytes,
+            receivers,
+            senders: s.senders,
+            buffers: args.buffers,
+            bucket_bytes: args.bucket_bytes,
+            buckets: s.buckets,
+            iters: s.refits.len() as u32,
+            refit_secs,
+            refit_gbps: bytes as f64 / refit_secs / 1e9,
+            delivered_gbps: receivers as f64 * bytes as f64 / refit_secs / 1e9,
+            raw_secs,
+            raw_gbps: raw_secs.map(|r| bytes as f64 / r / 1e9),
+            ratio_to_raw: raw_secs.map(|r| r / refit_secs),
+            sender_stats: median_round.senders[0].stats.clone().unwrap_or_default(),
+            receiver_stats: median_round.receivers[0].stats.clone().unwrap_or_default(),
+            verified: s.verified,
+        });
+    }
+    Ok(reports)
 }
