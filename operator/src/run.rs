@@ -152,10 +152,17 @@ pub async fn run_until(opts: RunOptions, mut shutdown: watch::Receiver<bool>) ->
         Clock::System,
     ));
 
+    let mut election_ended = false;
     loop {
         tokio::select! {
             _ = wait_true(&mut shutdown) => break,
-            _ = leader_rx.wait_for(|leader| *leader) => {}
+            leading = leader_rx.wait_for(|leader| *leader) => {
+                // The lease task only ends when it cannot go on; without it nobody may lead.
+                if leading.is_err() {
+                    election_ended = true;
+                    break;
+                }
+            }
         }
         if *shutdown.borrow() {
             break;
@@ -199,6 +206,11 @@ pub async fn run_until(opts: RunOptions, mut shutdown: watch::Receiver<bool>) ->
             Ok(Err(e)) => warn!(error = %e, "lease task failed"),
             Err(_) => warn!("releasing the lease timed out; it expires on its own"),
         }
+    }
+    if election_ended {
+        // Stop serving too: the process exits with an error and its pod is restarted.
+        server.abort();
+        anyhow::bail!("leader election stopped (see the lease manager's error above)");
     }
     match server.await {
         Ok(Ok(())) => {}
