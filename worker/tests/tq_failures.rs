@@ -85,8 +85,12 @@ async fn the_controller_notices_a_dead_unit_without_any_consumer() {
     c.controller.watch_units(Duration::from_millis(100));
     let mut producer = c.client("gen-0", &[]);
     producer.call_ok("put step-0 0 32 8 64 8 1", T).await.unwrap();
-    // Let the watchers connect before the kill.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Let the watchers connect before the kill (a unit never reached is retried, not lost).
+    let t = Instant::now();
+    while c.controller.watched_units() != vec![0, 1] {
+        assert!(t.elapsed() < Duration::from_secs(10), "the watchers never connected");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     c.storage[0].kill().await;
     let t = Instant::now();
     loop {

@@ -521,6 +521,8 @@ pub struct ClearReport {
 pub struct TqController {
     core: Arc<Mutex<Controller>>,
     config: Arc<ControllerConfig>,
+    /// Units whose watch connection is up (see [`TqController::watch_units`]).
+    watched: Arc<Mutex<BTreeSet<u32>>>,
 }
 
 fn lock(core: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
@@ -532,7 +534,11 @@ fn lock(core: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
 impl TqController {
     /// A controller with these settings.
     pub fn new(config: ControllerConfig) -> TqController {
-        TqController { core: Arc::new(Mutex::new(Controller::new(config.lease))), config: Arc::new(config) }
+        TqController {
+            core: Arc::new(Mutex::new(Controller::new(config.lease))),
+            config: Arc::new(config),
+            watched: Arc::default(),
+        }
     }
 
     /// The settings.
@@ -716,6 +722,11 @@ impl TqController {
         }
     }
 
+    /// Units whose watch connection is up now.
+    pub fn watched_units(&self) -> Vec<u32> {
+        self.watched.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect()
+    }
+
     /// Watches every storage unit: once connected, a unit whose connection drops or stops
     /// answering pings is marked lost (its partitions too). Units not up yet are retried. The
     /// watchers stop when the last handle of this controller is dropped.
@@ -724,8 +735,11 @@ impl TqController {
             let weak: Weak<Mutex<Controller>> = Arc::downgrade(&self.core);
             let addr = addr.clone();
             let token = self.config.token.clone();
+            let watched = self.watched.clone();
             tokio::spawn(async move {
-                let reason = watch_unit(&addr, &token, ping_every, || weak.strong_count() > 0).await;
+                let connected = || watched.lock().unwrap_or_else(|e| e.into_inner()).insert(unit);
+                let reason = watch_unit(&addr, &token, ping_every, || weak.strong_count() > 0, connected).await;
+                watched.lock().unwrap_or_else(|e| e.into_inner()).remove(&unit);
                 if let (Some(core), Some(reason)) = (weak.upgrade(), reason) {
                     let lost = lock(&core).mark_unit_lost(unit, &reason);
                     tracing::warn!(unit, %addr, %reason, partitions = ?lost, "transfer-queue storage unit lost");
@@ -775,7 +789,13 @@ async fn clear_unit(addr: &str, token: &str, partition: &str, deadline: tokio::t
 }
 
 /// Returns why the unit is considered dead, or None if the watch ended because `alive` said so.
-async fn watch_unit(addr: &str, token: &str, ping_every: Duration, alive: impl Fn() -> bool) -> Option<String> {
+async fn watch_unit(
+    addr: &str,
+    token: &str,
+    ping_every: Duration,
+    alive: impl Fn() -> bool,
+    connected: impl FnOnce() -> bool,
+) -> Option<String> {
     // Connect (the unit may start after the controller), retrying while the controller lives.
     let mut s = loop {
         if !alive() {
@@ -783,7 +803,10 @@ async fn watch_unit(addr: &str, token: &str, ping_every: Duration, alive: impl F
         }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         match connect_unit(addr, token, "tq-controller-watch", deadline).await {
-            Ok(s) => break s,
+            Ok(s) => {
+                connected();
+                break s;
+            }
             Err(NetError::Refused { reason, .. }) => return Some(format!("refused the controller: {reason}")),
             Err(_) => continue,
         }
