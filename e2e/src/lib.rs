@@ -82,14 +82,14 @@ impl Env {
         self.apply(&job).await
     }
 
-    /// Server-side applies an RLJob in the namespace.
+    /// Server-side applies an RLJob in the namespace: its name, labels and spec (an object read
+    /// back from the API server can be applied again: uid, managedFields and status are dropped).
     pub async fn apply(&self, job: &RLJob) -> anyhow::Result<RLJob> {
-        let mut job = job.clone();
-        job.metadata.namespace = Some(self.namespace.clone());
-        job.metadata.resource_version = None;
-        job.status = None;
         let name = job.name_any();
-        Ok(self.jobs().patch(&name, &PatchParams::apply(TOOL_FIELD_MANAGER).force(), &Patch::Apply(&job)).await?)
+        let mut intent = RLJob::new(&name, job.spec.clone());
+        intent.metadata.namespace = Some(self.namespace.clone());
+        intent.metadata.labels = job.metadata.labels.clone();
+        Ok(self.jobs().patch(&name, &PatchParams::apply(TOOL_FIELD_MANAGER).force(), &Patch::Apply(&intent)).await?)
     }
 
     /// Polls the job until `done` holds (every 200 ms, at most `timeout`); fails naming `what`

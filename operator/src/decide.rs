@@ -622,10 +622,16 @@ impl<'a> Draft<'a> {
 }
 
 /// The status after a failure to create the pods or their objects: PodsCreated=False/CreateFailed
-/// with the error (the executor writes it, then retries with backoff).
+/// with the error (the executor writes it, then retries with backoff). None when nothing is to
+/// be written: the same error again, or an epoch whose pods were all created already (a failed
+/// re-apply of the Service, say, must not make the running gang look uncreated: a pod missing
+/// from a created epoch is a failure, and must stay one).
 pub fn create_failed(job: &RLJob, error: &str, now: Timestamp) -> Option<RLJobStatus> {
     let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
     let old = operator_status(job.status.as_ref());
+    if conditions::is_true(&old.conditions, conditions::PODS_CREATED) {
+        return None;
+    }
     let mut st = old.clone();
     let message = truncate(error.to_string(), 4096);
     conditions::set(

@@ -717,6 +717,10 @@ fn a_create_failure_is_recorded_in_pods_created() {
     let mut again = j.clone();
     again.status = Some(st);
     assert!(create_failed(&again, "pods \"x\" is forbidden: exceeded quota", t(9)).is_none());
+    // A running gang whose Service could not be re-applied stays created: a pod that goes
+    // missing from it must still count as a failure.
+    let sim = Sim::running(j);
+    assert!(create_failed(&sim.job, "services \"x\" is forbidden", t(40)).is_none());
 }
 
 #[test]
