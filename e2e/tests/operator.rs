@@ -346,15 +346,17 @@ async fn the_coordinator_may_report_its_own_status_and_nothing_else() -> anyhow:
 async fn a_standby_replica_takes_over_when_the_leader_stops() -> anyhow::Result<()> {
     let Some((client, ns)) = namespace("leader").await? else { return Ok(()) };
     let binary = operator_binary(&workspace())?;
-    let mut first = OperatorProcess::start(&binary, &ns, &[])?;
-    let second = OperatorProcess::start_standby(&binary, &ns, &[])?;
+    // A short lease: the standby looks at the lease when the one it saw would expire.
+    let lease = ["--lease-duration-seconds", "4"];
+    let mut first = OperatorProcess::start(&binary, &ns, &lease)?;
+    let second = OperatorProcess::start_standby(&binary, &ns, &lease)?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(first.is_leader() && !second.is_leader(), "exactly one replica leads");
-    // SIGTERM releases the lease: the standby leads well before the lease would expire.
+    // SIGTERM releases the lease; the standby takes it within a lease duration (plus a renewal).
     assert!(first.terminate(), "graceful exit");
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while !second.is_leader() {
-        assert!(std::time::Instant::now() < deadline, "the standby did not take over within 10 s");
+        assert!(std::time::Instant::now() < deadline, "the standby did not take over within 20 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let env = Env { client, namespace: ns, operator: second };
