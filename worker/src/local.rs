@@ -67,10 +67,49 @@ pub struct LocalArgs {
 }
 
 /// Loopback addressing: every pod is 127.0.0.1, every port a free one, sockets in a scratch dir.
-struct LocalAddressing {
+pub struct LocalAddressing {
     dir: PathBuf,
     /// Held until the plan is built, so that no two services get the same free port.
     held: Mutex<Vec<std::net::TcpListener>>,
+}
+
+impl LocalAddressing {
+    /// Addressing with sockets under `dir`. Drop it once the plan is built to free the ports.
+    pub fn new(dir: &Path) -> LocalAddressing {
+        LocalAddressing { dir: dir.to_path_buf(), held: Mutex::new(Vec::new()) }
+    }
+}
+
+/// Environment variable telling a rank which physical GPU its pod's slot 0 is (one machine runs
+/// every pod, so pods' GPU slots are laid out one after another).
+pub const GPU_BASE_ENV: &str = "RLPLANE_GPU_BASE";
+
+/// The physical GPU of slot 0 of every pod when all pods share one machine with `available` GPUs:
+/// pods one after another; an error when they do not fit.
+pub fn gpu_bases(plan: &WorkerPlan, available: usize) -> anyhow::Result<Vec<u32>> {
+    let mut next = 0u32;
+    let mut bases = Vec::with_capacity(plan.pods.len());
+    for pod in &plan.pods {
+        bases.push(next);
+        next += pod.gpus;
+    }
+    if next as usize > available {
+        anyhow::bail!(
+            "the job needs {next} GPUs ({}) but this machine has {available}; use a smaller layout or --transport tcp",
+            plan.pods
+                .iter()
+                .filter(|p| p.gpus > 0)
+                .map(|p| format!("{} × {}", p.name, p.gpus))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(bases)
+}
+
+/// The physical GPU a process of this machine uses: its slot plus its pod's base.
+pub fn physical_gpu(slot: u32) -> u32 {
+    slot + std::env::var(GPU_BASE_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 impl Addressing for LocalAddressing {
@@ -163,14 +202,15 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
     }
 }
 
-/// Which refit path the run uses, after looking at what this machine has.
-fn resolve_transport(job: &mut rlplane_api::RLJob) -> anyhow::Result<RefitTransport> {
+/// Which refit path the run uses, after looking at what this machine has: TCP (host memory)
+/// unless the manifest asks for GPUs, and then the GPUs found.
+fn resolve_transport(job: &mut rlplane_api::RLJob) -> anyhow::Result<(RefitTransport, Option<crate::gpu::GpuInfo>)> {
     let t = job.spec.refit.transport;
     let wants_gpu = matches!(t, RefitTransport::Nccl | RefitTransport::CudaIpc)
         || (t == RefitTransport::Auto && job.spec.device == Device::Gpu);
     if !wants_gpu {
         job.spec.refit.transport = RefitTransport::Tcp;
-        return Ok(RefitTransport::Tcp);
+        return Ok((RefitTransport::Tcp, None));
     }
     let info = crate::gpu::probe().map_err(|e| {
         anyhow::anyhow!(
@@ -179,20 +219,16 @@ fn resolve_transport(job: &mut rlplane_api::RLJob) -> anyhow::Result<RefitTransp
             t
         )
     })?;
-    anyhow::bail!(
-        "found {} GPU(s) ({}), but GPU refit in `rlplane local` is not available in this build yet; use --transport tcp",
-        info.devices,
-        info.name
-    )
+    Ok((t, Some(info)))
 }
 
 async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Failure> {
-    let transport = resolve_transport(&mut job)?;
+    let (transport, gpus) = resolve_transport(&mut job)?;
     let name = job.metadata.name.clone().unwrap_or_else(|| "local".into());
     let scratch = tempdir(&name)?;
     let uid = format!("local-{}-{}", std::process::id(), scratch.file_name().and_then(|s| s.to_str()).unwrap_or(""));
     let id = JobIdentity { name: name.clone(), namespace: "local".into(), uid, epoch: 0 };
-    let addressing = LocalAddressing { dir: scratch.clone(), held: Mutex::new(Vec::new()) };
+    let addressing = LocalAddressing::new(&scratch);
     let plan = build_plan(&job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
     for pod in &plan.pods {
         std::fs::create_dir_all(&pod.ipc_dir).with_context(|| format!("creating {}", pod.ipc_dir))?;
@@ -213,13 +249,25 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Fai
         transport,
         plan.workload.steps
     ));
+    // On GPUs every pod gets its own physical GPUs (pods' slots all start at 0), and the ranks
+    // find pip's NCCL through a link on their library path.
+    let (bases, library) = match &gpus {
+        Some(info) => {
+            ui.line(format!("{} GPU(s): {}", info.devices, info.name));
+            (Some(crate::local::gpu_bases(&plan, info.devices)?), crate::gpu::nccl_library_dir(&scratch))
+        }
+        None => (None, None),
+    };
     let mut sup = Supervisor::new(ui.sink());
     for (i, p) in plan.processes.iter().enumerate() {
         if i as u32 == plan.coordinator {
             continue;
         }
-        sup.spawn(&p.name, &describe(&plan, i as u32), child_command(&plan_path, &p.name, None)?)
-            .with_context(|| format!("starting {}", p.name))?;
+        let mut cmd = child_command(&plan_path, &p.name, library.as_deref())?;
+        if let Some(b) = &bases {
+            cmd.env(GPU_BASE_ENV, b[p.pod as usize].to_string());
+        }
+        sup.spawn(&p.name, &describe(&plan, i as u32), cmd).with_context(|| format!("starting {}", p.name))?;
     }
     sup.watch();
 

@@ -1,6 +1,7 @@
 //! Benchmarks: `rlplane bench refit` and `rlplane bench tq`. Each runs its peers as separate
 //! processes on loopback and prints ratios against a reference measured in the same run.
 
+pub mod gpu;
 pub mod refit;
 pub mod tq;
 
@@ -22,6 +23,8 @@ pub enum PeerCommand {
     Refit(refit::PeerArgs),
     /// A transfer-queue peer process.
     Tq(tq::PeerArgs),
+    /// A GPU refit peer process.
+    Gpu(gpu::PeerArgs),
 }
 
 /// Runs a benchmark.
@@ -37,5 +40,6 @@ pub fn run_peer(cmd: PeerCommand) -> anyhow::Result<()> {
     match cmd {
         PeerCommand::Refit(a) => refit::run_peer(a),
         PeerCommand::Tq(a) => tq::run_peer(a),
+        PeerCommand::Gpu(a) => gpu::run_peer(a),
     }
 }

@@ -12,6 +12,7 @@
 //! [`nccl_library_dir`] prepares a `libnccl.so` link for child processes' `LD_LIBRARY_PATH`.
 
 pub mod nccl;
+pub mod tensors;
 
 use std::ffi::{CString, c_void};
 use std::panic::AssertUnwindSafe;
@@ -58,6 +59,8 @@ pub fn catch<T>(what: &str, f: impl FnOnce() -> Result<T, GpuError>) -> Result<T
                 .cloned()
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
+            // cudarc lists every file name it tried; the first sentence says what matters.
+            let msg = msg.split(" - searched for").next().unwrap_or(&msg).to_string();
             Err(GpuError::msg(what, msg))
         }
     }

@@ -192,6 +192,57 @@ impl Comm {
         self.check(r, "ncclBroadcast")
     }
 
+    /// Enqueues a send of `bytes` to `peer` on `stream` (point-to-point; group it with the
+    /// matching receive).
+    ///
+    /// # Safety
+    /// `buf` must be valid device memory of this rank's GPU for the whole operation.
+    pub unsafe fn send(
+        &mut self,
+        buf: CUdeviceptr,
+        bytes: u64,
+        peer: usize,
+        stream: &CudaStream,
+    ) -> Result<(), GpuError> {
+        // SAFETY: forwarded to the caller.
+        let r = unsafe {
+            sys::ncclSend(
+                buf as *const c_void,
+                bytes as usize,
+                sys::ncclDataType_t::ncclUint8,
+                peer as i32,
+                self.comm,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        self.check(r, "ncclSend")
+    }
+
+    /// Enqueues a receive of `bytes` from `peer` on `stream`.
+    ///
+    /// # Safety
+    /// `buf` must be valid device memory of this rank's GPU for the whole operation.
+    pub unsafe fn recv(
+        &mut self,
+        buf: CUdeviceptr,
+        bytes: u64,
+        peer: usize,
+        stream: &CudaStream,
+    ) -> Result<(), GpuError> {
+        // SAFETY: forwarded to the caller.
+        let r = unsafe {
+            sys::ncclRecv(
+                buf as *mut c_void,
+                bytes as usize,
+                sys::ncclDataType_t::ncclUint8,
+                peer as i32,
+                self.comm,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        self.check(r, "ncclRecv")
+    }
+
     fn check(&mut self, r: ncclResult_t, op: &str) -> Result<(), GpuError> {
         match r {
             ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => Ok(()),

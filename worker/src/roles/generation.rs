@@ -13,21 +13,21 @@ use anyhow::Context;
 use rlplane_api::TqPlacement;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
 
+use super::refit_side::{self, Receiver, Weights};
 use super::{Rank, announce_ready, secs, serve_commands};
 use crate::control::{Command, ControlClient, ControlError, Report};
-use crate::digest::{digest_strided, segment_term};
-use crate::refit::{self, HostTensors, RefitReceiver, StreamConfig, StreamInfo};
+use crate::refit::RefitPlan;
 use crate::tq::{ClientConfig, Column, PutOptions, StorageServer, StorageUnit, TqClient};
-use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::workload::{self, fields};
 
 struct Generation {
     plan: WorkerPlan,
     engine: u32,
     tq: Option<TqClient>,
-    streams: Vec<StreamInfo>,
-    receiver: RefitReceiver<TcpTransport>,
-    weights: HostTensors,
+    /// Every sender's plan, in the group's sender order (for the digests).
+    plans: Vec<Arc<RefitPlan>>,
+    receiver: Receiver,
+    weights: Weights,
 }
 
 /// Runs generation rank `me`.
@@ -56,24 +56,22 @@ pub async fn run(
         serving = Some(tokio::spawn(server.serve(listener)));
         local_unit = Some(storage);
     }
-    let refit_listener = refit::bind_listener(plan, me).await?;
-    announce_ready(None);
-
     let group =
         plan.refit_groups_of(me).into_iter().next().context("this generation rank is in no refit group")?.clone();
-    let options = TcpOptions::default();
-    let streams = refit::group_streams(plan, &group, &options)?;
-    let (control, transports) =
-        tokio::join!(control, refit::connect_tcp_receiver(plan, me, &streams, &refit_listener, &options));
+    let kind = refit_side::kind(plan, &group);
+    let gpu = refit_side::open_gpu(plan, me, kind)?;
+    let refit_listener = refit_side::bind(plan, me, kind, false).await?;
+    announce_ready(None);
+
+    let (control, connected) = tokio::join!(
+        control,
+        refit_side::connect_receiver(plan, me, &group, kind, gpu.as_ref(), &refit_listener, false)
+    );
     let mut control = control?;
-    let transports = transports?;
-    let receiver = RefitReceiver::new(
-        streams.iter().map(|s| s.plan.clone()).zip(transports).collect(),
-        StreamConfig::from_spec(&plan.refit),
-    )?;
+    let (receiver, plans) = connected?;
     let tq = if coords.producer { Some(TqClient::new(ClientConfig::from_plan(plan, me)?, local_unit)?) } else { None };
-    let weights = HostTensors::zeroed(plan.manifest().iter().map(|t| t.size_bytes()));
-    let mut rank = Generation { plan: plan.clone(), engine: coords.engine, tq, streams, receiver, weights };
+    let weights = Weights::alloc(kind, gpu.as_ref(), plan.manifest().iter().map(|t| Some(t.size_bytes())))?;
+    let mut rank = Generation { plan: plan.clone(), engine: coords.engine, tq, plans, receiver, weights };
     let r = serve_commands(&mut control, &mut rank).await;
     if let Some(s) = serving {
         s.abort();
@@ -144,7 +142,10 @@ impl Generation {
             anyhow::bail!("received weight version {} where the coordinator announced {version}", stats.version);
         }
         // Check every byte against the senders' digests (outside the timed refit).
-        let digest = destination_digest(&self.streams, &self.weights);
+        let mut digest = 0u64;
+        for (pos, p) in self.plans.iter().enumerate() {
+            digest = digest.wrapping_add(self.weights.digest(p, false, |i| segment_id(pos, i))?);
+        }
         if digest != expected {
             anyhow::bail!(
                 "weights of version {version} do not match the trainer's digest ({digest:#018x} received, {expected:#018x} sent)"
@@ -176,17 +177,4 @@ impl Generation {
 /// Identity of segment `index` of the stream of the group's `sender_pos`-th sender.
 pub fn segment_id(sender_pos: usize, index: usize) -> u64 {
     ((sender_pos as u64) << 32) | index as u64
-}
-
-/// Digest of everything a receiver holds, segment by segment as the senders' plans lay it out.
-fn destination_digest(streams: &[StreamInfo], weights: &HostTensors) -> u64 {
-    let mut total = 0u64;
-    for (pos, s) in streams.iter().enumerate() {
-        for (i, seg) in s.plan.segments().iter().enumerate() {
-            let d =
-                digest_strided(weights.tensor(seg.tensor as usize), seg.dst_offset, seg.rows, seg.width, seg.dst_pitch);
-            total = total.wrapping_add(segment_term(segment_id(pos, i), d));
-        }
-    }
-    total
 }

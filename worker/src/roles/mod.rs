@@ -8,6 +8,7 @@
 //! 3. execute the coordinator's commands until Shutdown.
 
 pub mod generation;
+pub mod refit_side;
 pub mod storage;
 pub mod trainer;
 

@@ -15,13 +15,13 @@ use rlplane_api::TqFetch;
 use rlplane_api::plan::{ProcessRole, TrainerCoords, WorkerPlan};
 
 use super::generation::segment_id;
+use super::refit_side::{self, Kind, Sender, Weights};
 use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
 use crate::control::{Command, ControlClient, ControlError, Report};
-use crate::digest::{Digest, digest_strided, fill, segment_term, tensor_seed};
-use crate::refit::{self, HostTensors, RefitPlan, RefitSender, ShardCoords, StreamConfig};
+use crate::digest::Digest;
+use crate::refit::{self, RefitPlan, ShardCoords};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
-use crate::transport::tcp::{TcpOptions, TcpTransport};
 use crate::workload::{fields, trainer_logprobs};
 
 enum Fanout {
@@ -36,9 +36,9 @@ struct Trainer {
     fanout: Fanout,
     /// The layout of this rank's shard (a sender's refit plan, or the shard it would send).
     shard_plan: RefitPlan,
-    shard: HostTensors,
+    shard: Weights,
     /// Set on refit senders: the stream and this sender's position in its group.
-    sender: Option<(RefitSender<TcpTransport>, usize)>,
+    sender: Option<(Sender, usize)>,
 }
 
 /// Runs trainer rank `me`.
@@ -53,9 +53,15 @@ pub async fn run(
     let group = plan.refit_groups_of(me).into_iter().find(|g| g.senders.contains(&me)).cloned();
     let deadline = tokio::time::Instant::now() + startup_timeout(plan);
 
+    // The transport (and so the memory) follows the group this rank sends to, or any group.
+    let kind = match group.as_ref().or(plan.refit_groups.first()) {
+        Some(g) => refit_side::kind(plan, g),
+        None => Kind::Tcp,
+    };
+    let gpu = refit_side::open_gpu(plan, me, kind)?;
     // Listeners first: refit rendezvous (senders) and fan-out (leaders).
     let refit_listener = match &group {
-        Some(_) => Some(refit::bind_listener(plan, me).await?),
+        Some(_) => Some(refit_side::bind(plan, me, kind, true).await?),
         None => None,
     };
     let fanout_listener = match plan.process(me).ports.fanout {
@@ -79,14 +85,11 @@ pub async fn run(
             None => Fanout::Follower(TcpFanoutFollower::from_plan(plan, me, deadline).await?),
         })
     };
-    let options = TcpOptions::default();
     let sender = async {
         let (Some(g), Some(listener)) = (&group, &refit_listener) else { return anyhow::Ok(None) };
         let pos = g.senders.iter().position(|&s| s == me).expect("a sender of its group");
-        let streams = refit::group_streams(plan, g, &options)?;
-        let stream = &streams[pos];
-        let transport = refit::connect_tcp_sender(plan, stream, listener, &options).await?;
-        Ok(Some((RefitSender::new(stream.plan.clone(), transport, StreamConfig::from_spec(&plan.refit))?, pos)))
+        let s = refit_side::connect_sender(plan, me, g, kind, gpu.as_ref(), listener, false).await?;
+        Ok(Some((s, pos)))
     };
     let (control, fanout, sender) = tokio::join!(control, fanout, sender);
     let mut control = control?;
@@ -102,7 +105,7 @@ pub async fn run(
             ShardCoords { tp: coords.tp, tp_size: plan.layout.tp, pp: coords.pp, pp_size: plan.layout.pp },
         )?,
     };
-    let shard = HostTensors::zeroed(shard_plan.tensors().iter().map(|t| t.source_bytes.unwrap_or(0)));
+    let shard = Weights::alloc(kind, gpu.as_ref(), shard_plan.tensors().iter().map(|t| t.source_bytes))?;
     let tq = TqClient::new(ClientConfig::from_plan(plan, me)?, None)?;
     let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender };
     serve_commands(&mut control, &mut rank).await
@@ -112,7 +115,7 @@ impl Rank for Trainer {
     async fn execute(&mut self, command: Command) -> anyhow::Result<Report> {
         match command {
             Command::Train { step, batch } => self.train(step, batch).await,
-            Command::Update { step, seed } => Ok(self.update(step, seed)),
+            Command::Update { step, seed } => self.update(step, seed),
             Command::Refit { version, .. } => self.refit(version).await,
             other => anyhow::bail!("a trainer rank has no part in {}", other.name()),
         }
@@ -192,32 +195,15 @@ impl Trainer {
         })
     }
 
-    fn update(&mut self, _step: u32, seed: u64) -> Report {
+    fn update(&mut self, _step: u32, seed: u64) -> anyhow::Result<Report> {
         let t = Instant::now();
-        for seg in self.shard_plan.segments() {
-            let src = self.shard.tensor_mut(seg.tensor as usize);
-            let tseed = tensor_seed(seed, seg.tensor);
-            for r in 0..seg.rows {
-                let at = (seg.src_offset + r * seg.src_pitch) as usize;
-                fill(&mut src[at..at + seg.width as usize], tseed, seg.dst_offset + r * seg.dst_pitch);
-            }
-        }
+        self.shard.update(&self.shard_plan, seed)?;
         // Senders report the digest of what they will send; the receivers must match it.
-        let digest = self.sender.as_ref().map(|(_, pos)| {
-            let mut total = 0u64;
-            for (i, seg) in self.shard_plan.segments().iter().enumerate() {
-                let d = digest_strided(
-                    self.shard.tensor(seg.tensor as usize),
-                    seg.src_offset,
-                    seg.rows,
-                    seg.width,
-                    seg.src_pitch,
-                );
-                total = total.wrapping_add(segment_term(segment_id(*pos, i), d));
-            }
-            total
-        });
-        Report { busy_secs: secs(t), digest, bytes: self.shard.total_bytes(), ..Default::default() }
+        let digest = match &self.sender {
+            Some((_, pos)) => Some(self.shard.digest(&self.shard_plan, true, |i| segment_id(*pos, i))?),
+            None => None,
+        };
+        Ok(Report { busy_secs: secs(t), digest, bytes: self.shard.total_bytes(), ..Default::default() })
     }
 
     async fn refit(&mut self, version: u64) -> anyhow::Result<Report> {

@@ -17,6 +17,8 @@
 //! - [`Transport::abort`] is synchronous: when it returns, nothing touches memory handed to the
 //!   transport any more. The engine calls it on every failure and when its future is dropped.
 
+pub mod cuda_ipc;
+pub mod nccl;
 pub mod tcp;
 
 use std::future::Future;

@@ -1,0 +1,150 @@
+//! Weights in GPU memory: one `cuMemAlloc` allocation per tensor (as a trainer or an inference
+//! engine holding separate parameters has them), usable as a refit source or destination, plus the
+//! device-side versions of the synthetic update and the digests.
+
+use cudarc::driver::CudaStream;
+
+use super::{DeviceBuffer, Gpu, GpuError, finish_digest};
+use crate::digest::segment_term;
+use crate::refit::memory::{DestinationMemory, MemorySpace, Region, SourceMemory, StagingBuffer};
+use crate::refit::plan::{RefitPlan, Segment};
+
+/// Per-tensor device buffers (`None` where this rank holds none of a tensor).
+pub struct DeviceTensors {
+    gpu: Gpu,
+    buffers: Vec<Option<DeviceBuffer>>,
+}
+
+impl DeviceTensors {
+    /// Allocates one buffer per `Some(size)`.
+    pub fn alloc(gpu: &Gpu, sizes: impl IntoIterator<Item = Option<u64>>) -> Result<DeviceTensors, GpuError> {
+        let buffers = sizes
+            .into_iter()
+            .map(|s| s.filter(|&b| b > 0).map(|b| gpu.alloc(b as usize)).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(DeviceTensors { gpu: gpu.clone(), buffers })
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Tensor `i`'s buffer.
+    pub fn buffer(&self, i: usize) -> Option<&DeviceBuffer> {
+        self.buffers.get(i)?.as_ref()
+    }
+
+    /// Total bytes held.
+    pub fn total_bytes(&self) -> u64 {
+        self.buffers.iter().flatten().map(|b| b.len() as u64).sum()
+    }
+
+    fn region(&self, i: usize) -> Option<Region> {
+        let b = self.buffer(i)?;
+        Some(Region {
+            space: MemorySpace::Device { ordinal: self.gpu.ordinal() as u32 },
+            addr: b.ptr(),
+            len: b.len() as u64,
+        })
+    }
+
+    /// Rewrites this rank's shard from `seed`: for every segment of `plan`, its source rows get the
+    /// synthetic content of the full tensor's bytes they correspond to (as [`crate::digest::fill`]).
+    pub fn fill_shard(&self, plan: &RefitPlan, seed: u64, stream: &CudaStream) -> Result<(), GpuError> {
+        for seg in plan.segments() {
+            let buf = self.buffer(seg.tensor as usize).ok_or_else(|| missing(seg))?;
+            // SAFETY: the plan's source extents were checked against the buffer sizes when the
+            // buffers were allocated from the same plan.
+            unsafe {
+                self.gpu.fill2d(
+                    stream,
+                    buf.ptr() + seg.src_offset,
+                    seg.rows,
+                    seg.width,
+                    seg.src_pitch,
+                    crate::digest::tensor_seed(seed, seg.tensor),
+                    seg.dst_offset,
+                    seg.dst_pitch,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sum of the segment terms of `plan`'s segments read on the source side (`source = true`) or
+    /// the destination side, with segment identities `id(i)` — the device version of what the
+    /// host roles compute with [`crate::digest::digest_strided`].
+    pub fn segment_digest(
+        &self,
+        plan: &RefitPlan,
+        source: bool,
+        id: impl Fn(usize) -> u64,
+        stream: &CudaStream,
+    ) -> Result<u64, GpuError> {
+        let n = plan.segments().len();
+        if n == 0 {
+            return Ok(0);
+        }
+        let sums = self.gpu.alloc(n * 8)?;
+        sums.memset(0, stream)?;
+        for (i, seg) in plan.segments().iter().enumerate() {
+            let buf = self.buffer(seg.tensor as usize).ok_or_else(|| missing(seg))?;
+            let (off, pitch) = if source { (seg.src_offset, seg.src_pitch) } else { (seg.dst_offset, seg.dst_pitch) };
+            // SAFETY: the region lies in the tensor's buffer; the sums buffer has a slot per segment.
+            unsafe {
+                self.gpu.digest2d(stream, buf.ptr() + off, seg.rows, seg.width, pitch, sums.ptr() + 8 * i as u64)?;
+            }
+        }
+        stream.synchronize().map_err(|e| GpuError::driver("waiting for the digest kernels", e))?;
+        let mut host = vec![0u8; n * 8];
+        sums.copy_to_host(0, &mut host)?;
+        let mut total = 0u64;
+        for (i, (seg, w)) in plan.segments().iter().zip(host.chunks_exact(8)).enumerate() {
+            let sum = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+            total = total.wrapping_add(segment_term(id(i), finish_digest(sum, seg.bytes())));
+        }
+        Ok(total)
+    }
+}
+
+fn missing(seg: &Segment) -> GpuError {
+    GpuError::msg(
+        "refit memory",
+        format!("tensor {} has no device buffer but the plan has a segment of it", seg.tensor),
+    )
+}
+
+// SAFETY: the regions are this object's own allocations, valid until it is dropped; the engine
+// borrows the object for the whole refit.
+unsafe impl SourceMemory for DeviceTensors {
+    fn tensor_count(&self) -> usize {
+        self.buffers.len()
+    }
+    fn source_region(&self, tensor: usize) -> Option<Region> {
+        self.region(tensor)
+    }
+}
+
+// SAFETY: as above; the engine holds the object mutably for the whole refit.
+unsafe impl DestinationMemory for DeviceTensors {
+    fn tensor_count(&self) -> usize {
+        self.buffers.len()
+    }
+    fn destination_region(&mut self, tensor: usize) -> Option<Region> {
+        self.region(tensor)
+    }
+}
+
+/// A staging buffer in device memory (exportable over CUDA IPC).
+pub struct DeviceStaging(pub DeviceBuffer);
+
+impl StagingBuffer for DeviceStaging {
+    fn region(&self) -> Region {
+        Region {
+            space: MemorySpace::Device { ordinal: self.0.gpu().ordinal() as u32 },
+            addr: self.0.ptr(),
+            len: self.0.len() as u64,
+        }
+    }
+}

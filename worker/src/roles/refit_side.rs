@@ -1,0 +1,378 @@
+//! A rank's side of refit, whatever the transport: its weights (host or GPU memory), and its
+//! sender or receiver over TCP, NCCL or CUDA IPC.
+//!
+//! Which transport a refit group uses follows `spec.refit.transport`, as resolved by the runner:
+//! `Tcp` keeps weights in host memory; `Nccl` and `CudaIpc` in GPU memory; `Auto` on GPUs picks
+//! CUDA IPC for a group whose members share a node (colocated, or one machine) — the copy engines
+//! measured faster than NCCL inside a node (docs/benchmarks.md) — and NCCL otherwise.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use rlplane_api::RefitTransport;
+use rlplane_api::plan::{RefitGroup, WorkerPlan};
+use tokio::time::Instant;
+
+use crate::digest::{digest_strided, fill, segment_term, tensor_seed};
+use crate::gpu::Gpu;
+use crate::gpu::tensors::DeviceTensors;
+use crate::refit::memory::{DestinationMemory, HostTensors, Region, SourceMemory};
+use crate::refit::{self, RefitPlan, RefitReceiver, RefitSender, RefitStats, StreamConfig, WeightsState};
+use crate::transport::cuda_ipc::{self, IpcMode, IpcTransport};
+use crate::transport::nccl::NcclTransport;
+use crate::transport::tcp::{RefitListener, TcpOptions, TcpTransport};
+
+/// The transport a group's members use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// TCP, host memory.
+    Tcp,
+    /// NCCL, GPU memory.
+    Nccl,
+    /// CUDA IPC, GPU memory.
+    Ipc,
+}
+
+/// The transport of `group` under the plan's (resolved) setting.
+pub fn kind(plan: &WorkerPlan, group: &RefitGroup) -> Kind {
+    match plan.refit.transport {
+        RefitTransport::Tcp => Kind::Tcp,
+        RefitTransport::Nccl => Kind::Nccl,
+        RefitTransport::CudaIpc => Kind::Ipc,
+        RefitTransport::Auto if plan.device == rlplane_api::Device::Cpu => Kind::Tcp,
+        RefitTransport::Auto if group.same_node => Kind::Ipc,
+        RefitTransport::Auto => Kind::Nccl,
+    }
+}
+
+/// A listener bound before the rank announces readiness.
+pub enum Listener {
+    /// TCP refit (sender root or relay receiver).
+    Tcp(RefitListener),
+    /// NCCL rendezvous (sender).
+    Nccl(tokio::net::TcpListener),
+    /// Nothing to bind (NCCL receivers; CUDA IPC binds its socket when connecting).
+    None,
+}
+
+/// Binds what process `me` needs for `kind`.
+pub async fn bind(plan: &WorkerPlan, me: u32, kind: Kind, sender: bool) -> anyhow::Result<Listener> {
+    Ok(match (kind, sender) {
+        (Kind::Tcp, _) => Listener::Tcp(refit::bind_listener(plan, me).await?),
+        (Kind::Nccl, true) => {
+            let port = plan.process(me).ports.refit.context("a sender without a refit port")?;
+            Listener::Nccl(crate::net::bind(&plan.bind_address(me, port), "the NCCL rendezvous").await?)
+        }
+        _ => Listener::None,
+    })
+}
+
+/// A rank's weights: host buffers or GPU buffers, one per tensor.
+pub enum Weights {
+    /// Host memory.
+    Host(HostTensors),
+    /// GPU memory.
+    Device(DeviceTensors),
+}
+
+impl Weights {
+    /// Buffers of the given sizes in the memory `kind` works with.
+    pub fn alloc(
+        kind: Kind,
+        gpu: Option<&Gpu>,
+        sizes: impl IntoIterator<Item = Option<u64>>,
+    ) -> anyhow::Result<Weights> {
+        Ok(match (kind, gpu) {
+            (Kind::Tcp, _) => Weights::Host(HostTensors::zeroed(sizes.into_iter().map(|s| s.unwrap_or(0)))),
+            (_, Some(gpu)) => Weights::Device(DeviceTensors::alloc(gpu, sizes)?),
+            (_, None) => anyhow::bail!("a GPU transport without a GPU"),
+        })
+    }
+
+    /// Bytes held.
+    pub fn total_bytes(&self) -> u64 {
+        match self {
+            Weights::Host(h) => h.total_bytes(),
+            Weights::Device(d) => d.total_bytes(),
+        }
+    }
+
+    /// The synthetic update: every source span of `plan`'s segments gets the content of the full
+    /// tensor's bytes it corresponds to, for `seed`.
+    pub fn update(&mut self, plan: &RefitPlan, seed: u64) -> anyhow::Result<()> {
+        match self {
+            Weights::Host(h) => {
+                for seg in plan.segments() {
+                    let src = h.tensor_mut(seg.tensor as usize);
+                    let tseed = tensor_seed(seed, seg.tensor);
+                    for r in 0..seg.rows {
+                        let at = (seg.src_offset + r * seg.src_pitch) as usize;
+                        fill(&mut src[at..at + seg.width as usize], tseed, seg.dst_offset + r * seg.dst_pitch);
+                    }
+                }
+            }
+            Weights::Device(d) => {
+                let stream = d.gpu().stream()?;
+                d.fill_shard(plan, seed, &stream)?;
+                stream.synchronize().map_err(|e| anyhow::anyhow!("waiting for the update: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sum of `plan`'s segment terms read on the source (`source`) or destination side.
+    pub fn digest(&self, plan: &RefitPlan, source: bool, id: impl Fn(usize) -> u64) -> anyhow::Result<u64> {
+        match self {
+            Weights::Host(h) => {
+                let mut total = 0u64;
+                for (i, seg) in plan.segments().iter().enumerate() {
+                    let (off, pitch) =
+                        if source { (seg.src_offset, seg.src_pitch) } else { (seg.dst_offset, seg.dst_pitch) };
+                    let d = digest_strided(h.tensor(seg.tensor as usize), off, seg.rows, seg.width, pitch);
+                    total = total.wrapping_add(segment_term(id(i), d));
+                }
+                Ok(total)
+            }
+            Weights::Device(d) => {
+                let stream = d.gpu().stream()?;
+                Ok(d.segment_digest(plan, source, id, &stream)?)
+            }
+        }
+    }
+}
+
+// SAFETY: delegates to the wrapped memory, which upholds the contract.
+unsafe impl SourceMemory for Weights {
+    fn tensor_count(&self) -> usize {
+        match self {
+            Weights::Host(h) => SourceMemory::tensor_count(h),
+            Weights::Device(d) => SourceMemory::tensor_count(d),
+        }
+    }
+    fn source_region(&self, tensor: usize) -> Option<Region> {
+        match self {
+            Weights::Host(h) => h.source_region(tensor),
+            Weights::Device(d) => d.source_region(tensor),
+        }
+    }
+}
+
+// SAFETY: as above.
+unsafe impl DestinationMemory for Weights {
+    fn tensor_count(&self) -> usize {
+        match self {
+            Weights::Host(h) => DestinationMemory::tensor_count(h),
+            Weights::Device(d) => DestinationMemory::tensor_count(d),
+        }
+    }
+    fn destination_region(&mut self, tensor: usize) -> Option<Region> {
+        match self {
+            Weights::Host(h) => h.destination_region(tensor),
+            Weights::Device(d) => d.destination_region(tensor),
+        }
+    }
+}
+
+/// A sender over any transport (boxed: the engines differ a lot in size).
+pub enum Sender {
+    /// TCP.
+    Tcp(Box<RefitSender<TcpTransport>>),
+    /// NCCL.
+    Nccl(Box<RefitSender<NcclTransport>>),
+    /// CUDA IPC.
+    Ipc(Box<RefitSender<IpcTransport>>),
+}
+
+impl Sender {
+    /// Sends `version` of `weights`.
+    pub async fn send(&mut self, version: u64, weights: &Weights) -> anyhow::Result<RefitStats> {
+        Ok(match self {
+            Sender::Tcp(s) => s.send(version, weights).await?,
+            Sender::Nccl(s) => s.send(version, weights).await?,
+            Sender::Ipc(s) => s.send(version, weights).await?,
+        })
+    }
+
+    /// The sender's plan.
+    pub fn plan(&self) -> &RefitPlan {
+        match self {
+            Sender::Tcp(s) => s.plan(),
+            Sender::Nccl(s) => s.plan(),
+            Sender::Ipc(s) => s.plan(),
+        }
+    }
+}
+
+/// A receiver over any transport (boxed, as [`Sender`]).
+pub enum Receiver {
+    /// TCP.
+    Tcp(Box<RefitReceiver<TcpTransport>>),
+    /// NCCL.
+    Nccl(Box<RefitReceiver<NcclTransport>>),
+    /// CUDA IPC.
+    Ipc(Box<RefitReceiver<IpcTransport>>),
+}
+
+impl Receiver {
+    /// Receives the next refit into `weights`.
+    pub async fn receive(&mut self, weights: &mut Weights) -> anyhow::Result<RefitStats> {
+        Ok(match self {
+            Receiver::Tcp(r) => r.receive(weights).await?,
+            Receiver::Nccl(r) => r.receive(weights).await?,
+            Receiver::Ipc(r) => r.receive(weights).await?,
+        })
+    }
+
+    /// The weights' state.
+    pub fn state(&self) -> WeightsState {
+        match self {
+            Receiver::Tcp(r) => r.state(),
+            Receiver::Nccl(r) => r.state(),
+            Receiver::Ipc(r) => r.state(),
+        }
+    }
+}
+
+fn stream_config(plan: &WorkerPlan, staged: bool) -> StreamConfig {
+    let mut c = StreamConfig::from_spec(&plan.refit);
+    if staged {
+        c.staging = crate::refit::StagingPolicy::Always;
+    }
+    c
+}
+
+fn timeouts(plan: &WorkerPlan) -> (Duration, Instant) {
+    let timeout = Duration::from_secs(plan.refit.timeout_seconds as u64);
+    (timeout, Instant::now() + timeout.max(Duration::from_secs(120)))
+}
+
+/// Connects sender `me` of `group`. `staged` forces the classic pack → send → unpack path (for
+/// comparisons; with CUDA IPC it lends staging buffers instead of the weights).
+pub async fn connect_sender(
+    plan: &WorkerPlan,
+    me: u32,
+    group: &RefitGroup,
+    kind: Kind,
+    gpu: Option<&Gpu>,
+    listener: &Listener,
+    staged: bool,
+) -> anyhow::Result<Sender> {
+    let pos = group.senders.iter().position(|&s| s == me).context("not a sender of this group")?;
+    let rplan = Arc::new(refit::sender_plan(plan, me)?);
+    let config = stream_config(plan, staged);
+    let name = plan.process(me).name.clone();
+    let receivers: Vec<String> = group.receivers.iter().map(|&r| plan.process(r).name.clone()).collect();
+    let (timeout, deadline) = timeouts(plan);
+    Ok(match (kind, listener) {
+        (Kind::Tcp, Listener::Tcp(l)) => {
+            let options = TcpOptions::default();
+            let streams = refit::group_streams(plan, group, &options)?;
+            let t = refit::connect_tcp_sender(plan, &streams[pos], l, &options).await?;
+            Sender::Tcp(Box::new(RefitSender::new(streams[pos].plan.clone(), t, config)?))
+        }
+        (Kind::Nccl, Listener::Nccl(l)) => {
+            let gpu = gpu.context("NCCL needs a GPU")?;
+            let t =
+                NcclTransport::root(&name, gpu, l, &receivers, &rplan.identity(), &plan.job.token, timeout, deadline)
+                    .await?;
+            Sender::Nccl(Box::new(RefitSender::new(rplan, t, config)?))
+        }
+        (Kind::Ipc, _) => {
+            let gpu = gpu.context("CUDA IPC needs a GPU")?;
+            let ep = cuda_ipc::endpoint(plan, me);
+            let mode = if staged { IpcMode::Staged } else { IpcMode::Direct };
+            let t =
+                IpcTransport::root(&name, gpu, &ep, &receivers, rplan.clone(), mode, &plan.job.token, deadline).await?;
+            Sender::Ipc(Box::new(RefitSender::new(rplan, t, config)?))
+        }
+        _ => anyhow::bail!("refit listener does not match the transport {kind:?}"),
+    })
+}
+
+/// Connects receiver `me` to every sender of `group`; returns the receiver and the senders'
+/// plans (in sender order, for the digests).
+pub async fn connect_receiver(
+    plan: &WorkerPlan,
+    me: u32,
+    group: &RefitGroup,
+    kind: Kind,
+    gpu: Option<&Gpu>,
+    listener: &Listener,
+    staged: bool,
+) -> anyhow::Result<(Receiver, Vec<Arc<RefitPlan>>)> {
+    let config = stream_config(plan, staged);
+    let name = plan.process(me).name.clone();
+    let (timeout, deadline) = timeouts(plan);
+    let plans: Vec<Arc<RefitPlan>> =
+        group.senders.iter().map(|&s| refit::sender_plan(plan, s).map(Arc::new)).collect::<Result<_, _>>()?;
+    let receiver = match (kind, listener) {
+        (Kind::Tcp, Listener::Tcp(l)) => {
+            let options = TcpOptions::default();
+            let streams = refit::group_streams(plan, group, &options)?;
+            let ts = refit::connect_tcp_receiver(plan, me, &streams, l, &options).await?;
+            Receiver::Tcp(Box::new(RefitReceiver::new(
+                streams.iter().map(|s| s.plan.clone()).zip(ts).collect(),
+                config,
+            )?))
+        }
+        (Kind::Nccl, _) => {
+            let gpu = gpu.context("NCCL needs a GPU")?;
+            let mut streams = Vec::new();
+            for (i, &s) in group.senders.iter().enumerate() {
+                let addr = plan.address(s, plan.process(s).ports.refit.context("a sender without a refit port")?);
+                let label = format!("nccl stream of {} at {name}", plan.process(s).name);
+                let t = NcclTransport::receiver(
+                    &label,
+                    &name,
+                    gpu,
+                    &addr,
+                    &plans[i].identity(),
+                    &plan.job.token,
+                    timeout,
+                    deadline,
+                )
+                .await?;
+                streams.push((plans[i].clone(), t));
+            }
+            Receiver::Nccl(Box::new(RefitReceiver::new(streams, config)?))
+        }
+        (Kind::Ipc, _) => {
+            let gpu = gpu.context("CUDA IPC needs a GPU")?;
+            let mut streams = Vec::new();
+            for (i, &s) in group.senders.iter().enumerate() {
+                let label = format!("ipc stream of {} at {name}", plan.process(s).name);
+                let t = IpcTransport::receiver(
+                    &label,
+                    &name,
+                    gpu,
+                    &cuda_ipc::endpoint(plan, s),
+                    plans[i].clone(),
+                    &plan.job.token,
+                    deadline,
+                )
+                .await?;
+                streams.push((plans[i].clone(), t));
+            }
+            Receiver::Ipc(Box::new(RefitReceiver::new(streams, config)?))
+        }
+        _ => anyhow::bail!("refit listener does not match the transport {kind:?}"),
+    };
+    Ok((receiver, plans))
+}
+
+/// This process's GPU, when the plan gives it one and the transport uses it.
+pub fn open_gpu(plan: &WorkerPlan, me: u32, kind: Kind) -> anyhow::Result<Option<Gpu>> {
+    if kind == Kind::Tcp {
+        return Ok(None);
+    }
+    let slot = plan.process(me).gpu.context("a GPU transport for a process without a GPU in the plan")?;
+    let ordinal = crate::local::physical_gpu(slot);
+    let gpu = Gpu::open(ordinal as usize)?;
+    if let Ok(v) = crate::gpu::nccl_version()
+        && kind == Kind::Nccl
+    {
+        tracing::info!(nccl = v, gpu = ordinal, "NCCL loaded");
+    }
+    Ok(Some(gpu))
+}

@@ -1,0 +1,759 @@
+//! CUDA IPC transport: the receivers map the sender's GPU memory and copy every piece straight
+//! into place with the copy engines — one copy per byte. Used colocated (trainer and generation
+//! ranks share a GPU in one pod) and between GPUs of one node (peer copies over NVLink beat NCCL
+//! there: GPU-NOTES.md).
+//!
+//! Control goes over ZMQ: the sender binds a ROUTER on an `ipc://` socket in the pod's shared
+//! emptyDir; each receiver connects a DEALER. Messages (first byte is the kind):
+//! `H` hello (token, name, plan identity) → `W` welcome / `R` refused; `B` begin (version);
+//! `N` new handle (key, 64-byte CUDA IPC handle of an allocation, exported once, opened once and
+//! cached by the receiver); `K` bucket (its pieces as (handle key, offset, length)); `A` bucket
+//! copied (the sender may reuse what it lent); `D` done (version).
+//!
+//! **Direct** mode lends the trainer's own parameter storage (allocated with `cuMemAlloc`, so it
+//! can be exported): the receiver copies each tensor's span straight from it. **Staged** mode is
+//! the fallback when the source cannot be exported: the engine packs every segment into exported
+//! staging buffers (ping-pong) and the receiver copies out of them — two copies, as the usual
+//! design does. Both speak the same protocol; only what the pieces point into differs.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{CudaEvent, CudaStream};
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use zeromq::{DealerSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
+
+use super::{Piece, Transport, TransportError};
+use crate::gpu::tensors::DeviceStaging;
+use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async, copy2d_async};
+use crate::refit::memory::{Copy2d, MemorySpace};
+use crate::refit::plan::{PlanIdentity, RefitPlan};
+
+/// What the sender lends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpcMode {
+    /// The trainer's parameter storage itself (one copy).
+    Direct,
+    /// Exported staging buffers the engine packs into (two copies; the fallback).
+    Staged,
+}
+
+/// A completion.
+pub enum IpcTicket {
+    /// A bucket, by index.
+    Bucket(u32),
+    /// Pack / unpack copies on the copy stream.
+    Copy {
+        /// Start event (for the copy engine's busy time).
+        start: CudaEvent,
+        /// End event.
+        end: CudaEvent,
+    },
+}
+
+enum Inbound {
+    Message(Vec<Bytes>),
+    Lost(String),
+}
+
+/// The ZMQ socket lives in its own task; the transport talks to it through channels, so that
+/// polling for messages never cancels a receive.
+struct Channel {
+    out: mpsc::UnboundedSender<ZmqMessage>,
+    inbound: mpsc::UnboundedReceiver<Inbound>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn spawn_socket<S>(mut socket: S) -> Channel
+where
+    S: Socket + SocketRecv + SocketSend + Send + 'static,
+{
+    let (out, mut out_rx) = mpsc::unbounded_channel::<ZmqMessage>();
+    let (in_tx, inbound) = mpsc::unbounded_channel();
+    let mut monitor = socket.monitor();
+    let task = tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                m = socket.recv() => match m {
+                    Ok(m) => { if in_tx.send(Inbound::Message(m.into_vec())).is_err() { return; } }
+                    Err(e) => { let _ = in_tx.send(Inbound::Lost(e.to_string())); return; }
+                },
+                m = out_rx.recv() => match m {
+                    Some(m) => if let Err(e) = socket.send(m).await { let _ = in_tx.send(Inbound::Lost(e.to_string())); return; },
+                    None => return,
+                },
+                Some(ev) = monitor.next() => {
+                    if let SocketEvent::Disconnected(peer) = ev {
+                        let _ = in_tx.send(Inbound::Lost(format!("peer {:?} disconnected", String::from_utf8_lossy(&Bytes::from(peer)))));
+                    }
+                }
+            }
+        }
+    });
+    Channel { out, inbound, task }
+}
+
+fn msg(frames: Vec<Bytes>) -> ZmqMessage {
+    ZmqMessage::try_from(frames).expect("at least one frame")
+}
+
+fn gpu_err(what: &str, e: GpuError) -> TransportError {
+    TransportError::Config(format!("{what}: {e}"))
+}
+
+/// The base and size of the allocation holding `ptr`.
+fn allocation_of(ptr: CUdeviceptr) -> Result<(CUdeviceptr, usize), GpuError> {
+    let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
+    // SAFETY: out-parameters for a query about a device pointer.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(GpuError::msg("cuMemGetAddressRange", format!("{r:?}")));
+    }
+    Ok((base, size))
+}
+
+struct RootState {
+    /// Receivers by ZMQ identity.
+    receivers: Vec<(Bytes, String)>,
+    /// Exported allocations: base → key.
+    exported: HashMap<CUdeviceptr, u32>,
+    /// Acknowledgements per bucket.
+    acks: HashMap<u32, usize>,
+    dones: usize,
+}
+
+struct ReceiverState {
+    /// Opened allocations by key.
+    mapped: HashMap<u32, IpcMapping>,
+    /// Source pieces the sender announced, by bucket.
+    announced: HashMap<u32, Vec<(u32, u64, u64)>>,
+    /// Submitted buckets not yet issued: (bucket, destination pieces).
+    submitted: VecDeque<(u32, Vec<Piece>)>,
+    /// Issued buckets: their completion events.
+    issued: BTreeMap<u32, Vec<CudaEvent>>,
+    begun: Option<u64>,
+    next_stream: usize,
+}
+
+/// One member's side of a sender's CUDA IPC group.
+pub struct IpcTransport {
+    name: String,
+    gpu: Gpu,
+    mode: IpcMode,
+    channel: Channel,
+    root: Option<RootState>,
+    recv: Option<ReceiverState>,
+    streams: [Arc<CudaStream>; 2],
+    copy_stream: Arc<CudaStream>,
+    copy_busy: Duration,
+    aborted: Option<String>,
+}
+
+/// Where a sender's IPC control socket lives: its colocated GPU socket, or a socket named after
+/// it in its pod's socket directory.
+pub fn endpoint(plan: &rlplane_api::WorkerPlan, sender: u32) -> String {
+    let p = plan.process(sender);
+    match &p.ipc {
+        Some(e) => e.clone(),
+        None => format!("ipc://{}/refit-{}.sock", plan.pods[p.pod as usize].ipc_dir, p.name),
+    }
+}
+
+impl IpcTransport {
+    /// The sender's side: binds `endpoint` and waits for `receivers` to say hello.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn root(
+        name: &str,
+        gpu: &Gpu,
+        endpoint: &str,
+        receivers: &[String],
+        plan: Arc<RefitPlan>,
+        mode: IpcMode,
+        token: &str,
+        deadline: Instant,
+    ) -> Result<IpcTransport, TransportError> {
+        if let Some(path) = endpoint.strip_prefix("ipc://") {
+            // A socket file left by an earlier epoch would refuse the bind.
+            let _ = std::fs::remove_file(path);
+        }
+        let mut socket = RouterSocket::new();
+        socket.bind(endpoint).await.map_err(|e| TransportError::Config(format!("binding {endpoint}: {e}")))?;
+        let mut channel = spawn_socket(socket);
+        let identity = plan.identity();
+        let mut joined: Vec<(Bytes, String)> = Vec::new();
+        while joined.len() < receivers.len() {
+            let m = recv(&mut channel, deadline, name, "waiting for IPC receivers").await?;
+            let (id, body) = split_identity(m, name)?;
+            let refuse = |reason: String| msg(vec![id.clone(), Bytes::from_static(b"R"), Bytes::from(reason)]);
+            if body.len() < 4 || body[0].as_ref() != b"H" {
+                let _ = channel.out.send(refuse("expected a hello".into()));
+                continue;
+            }
+            let (their_token, peer) =
+                (String::from_utf8_lossy(&body[1]).into_owned(), String::from_utf8_lossy(&body[2]).into_owned());
+            let verdict = if their_token != token {
+                Err(format!(
+                    "job token `{their_token}` does not match `{token}`: the peer belongs to another job or epoch"
+                ))
+            } else if !receivers.contains(&peer) {
+                Err(format!("`{peer}` is not a receiver of this sender"))
+            } else {
+                match PlanIdentity::decode(&body[3]) {
+                    Some(theirs) if theirs == identity => Ok(()),
+                    Some(theirs) => Err(identity.mismatch("the sender", &theirs, &peer)),
+                    None => Err("malformed plan identity".into()),
+                }
+            };
+            match verdict {
+                Ok(()) => {
+                    let _ = channel.out.send(msg(vec![id.clone(), Bytes::from_static(b"W")]));
+                    if !joined.iter().any(|(_, p)| p == &peer) {
+                        joined.push((id, peer));
+                    }
+                }
+                Err(reason) => {
+                    tracing::warn!(%reason, "refused an IPC receiver");
+                    let _ = channel.out.send(refuse(reason));
+                }
+            }
+        }
+        Self::new(
+            name,
+            gpu,
+            mode,
+            channel,
+            Some(RootState { receivers: joined, exported: HashMap::new(), acks: HashMap::new(), dones: 0 }),
+            None,
+        )
+    }
+
+    /// A receiver's side: connects to the sender's `endpoint` and says hello.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn receiver(
+        name: &str,
+        me: &str,
+        gpu: &Gpu,
+        endpoint: &str,
+        plan: Arc<RefitPlan>,
+        token: &str,
+        deadline: Instant,
+    ) -> Result<IpcTransport, TransportError> {
+        let mut socket = DealerSocket::new();
+        // The sender may not have bound yet: retry until the deadline.
+        loop {
+            match socket.connect(endpoint).await {
+                Ok(()) => break,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(TransportError::Timeout {
+                        peer: endpoint.into(),
+                        what: format!("connecting ({e})"),
+                        secs: 0.0,
+                    });
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        let mut channel = spawn_socket(socket);
+        let hello = msg(vec![
+            Bytes::from_static(b"H"),
+            Bytes::from(token.to_string()),
+            Bytes::from(me.to_string()),
+            Bytes::copy_from_slice(&plan.identity().encode()),
+        ]);
+        channel
+            .out
+            .send(hello)
+            .map_err(|_| TransportError::Closed { peer: endpoint.into(), what: "saying hello".into() })?;
+        let answer = recv(&mut channel, deadline, endpoint, "waiting for the sender's welcome").await?;
+        match answer.first().map(|b| b.as_ref()) {
+            Some(b"W") => {}
+            Some(b"R") => {
+                return Err(TransportError::Refused {
+                    peer: endpoint.into(),
+                    reason: answer.get(1).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default(),
+                });
+            }
+            _ => {
+                return Err(TransportError::Protocol {
+                    peer: endpoint.into(),
+                    detail: "an unexpected answer to hello".into(),
+                });
+            }
+        }
+        let state = ReceiverState {
+            mapped: HashMap::new(),
+            announced: HashMap::new(),
+            submitted: VecDeque::new(),
+            issued: BTreeMap::new(),
+            begun: None,
+            next_stream: 0,
+        };
+        Self::new(name, gpu, IpcMode::Direct, channel, None, Some(state))
+    }
+
+    fn new(
+        name: &str,
+        gpu: &Gpu,
+        mode: IpcMode,
+        channel: Channel,
+        root: Option<RootState>,
+        recv: Option<ReceiverState>,
+    ) -> Result<IpcTransport, TransportError> {
+        let s = |what| gpu.stream().map_err(|e| gpu_err(what, e));
+        Ok(IpcTransport {
+            name: name.into(),
+            gpu: gpu.clone(),
+            mode,
+            channel,
+            root,
+            recv,
+            streams: [s("a copy stream")?, s("a copy stream")?],
+            copy_stream: s("the pack stream")?,
+            copy_busy: Duration::ZERO,
+            aborted: None,
+        })
+    }
+
+    fn check_usable(&self) -> Result<(), TransportError> {
+        match &self.aborted {
+            Some(reason) => Err(TransportError::Aborted { name: self.name.clone(), reason: reason.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    fn send_all(&mut self, body: Vec<Bytes>) -> Result<(), TransportError> {
+        let root = self.root.as_ref().expect("root only");
+        for (id, peer) in &root.receivers {
+            let mut frames = vec![id.clone()];
+            frames.extend(body.iter().cloned());
+            self.channel
+                .out
+                .send(msg(frames))
+                .map_err(|_| TransportError::Closed { peer: peer.clone(), what: "sending".into() })?;
+        }
+        Ok(())
+    }
+
+    fn send_root(&mut self, body: Vec<Bytes>) -> Result<(), TransportError> {
+        self.channel
+            .out
+            .send(msg(body))
+            .map_err(|_| TransportError::Closed { peer: self.name.clone(), what: "sending to the sender".into() })
+    }
+
+    /// Handles every message already received (never waits).
+    fn pump(&mut self) -> Result<(), TransportError> {
+        loop {
+            let m = match self.channel.inbound.try_recv() {
+                Ok(Inbound::Message(m)) => m,
+                Ok(Inbound::Lost(why)) => {
+                    return Err(TransportError::Closed { peer: self.name.clone(), what: format!("refitting ({why})") });
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    return Err(TransportError::Closed {
+                        peer: self.name.clone(),
+                        what: "refitting (socket task ended)".into(),
+                    });
+                }
+            };
+            if self.root.is_some() {
+                self.on_root_message(m)?;
+            } else {
+                self.on_receiver_message(m)?;
+            }
+        }
+        if self.recv.is_some() {
+            self.issue_ready()?;
+        }
+        Ok(())
+    }
+
+    fn on_root_message(&mut self, m: Vec<Bytes>) -> Result<(), TransportError> {
+        let (id, body) = split_identity(m, &self.name)?;
+        let root = self.root.as_mut().expect("root");
+        let peer = root.receivers.iter().find(|(i, _)| *i == id).map(|(_, p)| p.clone()).unwrap_or_else(|| "?".into());
+        match (body.first().map(|b| b.as_ref()), body.get(1)) {
+            (Some(b"A"), Some(k)) if k.len() == 4 => {
+                *root.acks.entry(u32::from_le_bytes(k[..4].try_into().expect("4 bytes"))).or_insert(0) += 1;
+            }
+            (Some(b"D"), _) => root.dones += 1,
+            (Some(b"H"), _) => {} // a late duplicate hello
+            _ => return Err(TransportError::Protocol { peer, detail: "an unknown message to the sender".into() }),
+        }
+        Ok(())
+    }
+
+    fn on_receiver_message(&mut self, m: Vec<Bytes>) -> Result<(), TransportError> {
+        let peer = self.name.clone();
+        let bad = |detail: &str| TransportError::Protocol { peer: peer.clone(), detail: detail.into() };
+        let st = self.recv.as_mut().expect("receiver");
+        match m.first().map(|b| b.as_ref()) {
+            Some(b"B") => {
+                let v = m.get(1).filter(|b| b.len() == 8).ok_or_else(|| bad("a malformed begin"))?;
+                st.begun = Some(u64::from_le_bytes(v[..8].try_into().expect("8 bytes")));
+            }
+            Some(b"N") => {
+                let key = m.get(1).filter(|b| b.len() == 4).ok_or_else(|| bad("a malformed handle key"))?;
+                let h = m.get(2).filter(|b| b.len() == 64).ok_or_else(|| bad("a malformed IPC handle"))?;
+                let key = u32::from_le_bytes(key[..4].try_into().expect("4 bytes"));
+                let handle = IpcHandle(h[..64].try_into().expect("64 bytes"));
+                if let std::collections::hash_map::Entry::Vacant(e) = st.mapped.entry(key) {
+                    // Opened once and cached for every later refit.
+                    e.insert(
+                        IpcMapping::open(&self.gpu, &handle).map_err(|e| gpu_err("opening the sender's memory", e))?,
+                    );
+                }
+            }
+            Some(b"K") => {
+                let k = m.get(1).filter(|b| b.len() == 4).ok_or_else(|| bad("a malformed bucket index"))?;
+                let list = m.get(2).filter(|b| b.len() % 20 == 0).ok_or_else(|| bad("a malformed piece list"))?;
+                let pieces = list
+                    .chunks_exact(20)
+                    .map(|c| {
+                        (
+                            u32::from_le_bytes(c[0..4].try_into().expect("4")),
+                            u64::from_le_bytes(c[4..12].try_into().expect("8")),
+                            u64::from_le_bytes(c[12..20].try_into().expect("8")),
+                        )
+                    })
+                    .collect();
+                st.announced.insert(u32::from_le_bytes(k[..4].try_into().expect("4 bytes")), pieces);
+            }
+            _ => return Err(bad("an unknown message to a receiver")),
+        }
+        Ok(())
+    }
+
+    /// Issues the copies of every submitted bucket whose source pieces have been announced.
+    fn issue_ready(&mut self) -> Result<(), TransportError> {
+        loop {
+            let st = self.recv.as_mut().expect("receiver");
+            let Some((k, _)) = st.submitted.front() else { return Ok(()) };
+            let Some(src) = st.announced.remove(k) else { return Ok(()) };
+            let (k, dst) = st.submitted.pop_front().expect("checked");
+            if src.len() != dst.len() {
+                return Err(TransportError::Protocol {
+                    peer: self.name.clone(),
+                    detail: format!(
+                        "bucket {k}: the sender lent {} pieces where the plan has {}",
+                        src.len(),
+                        dst.len()
+                    ),
+                });
+            }
+            self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
+            for (&(key, offset, len), piece) in src.iter().zip(&dst) {
+                if len != piece.region.len {
+                    return Err(TransportError::Protocol {
+                        peer: self.name.clone(),
+                        detail: format!("bucket {k}: a piece of {len} bytes where the plan has {}", piece.region.len),
+                    });
+                }
+                let map =
+                    st_mapped(self.recv.as_ref().expect("receiver"), key).ok_or_else(|| TransportError::Protocol {
+                        peer: self.name.clone(),
+                        detail: format!("bucket {k} uses allocation {key}, which was never lent"),
+                    })?;
+                let st = self.recv.as_mut().expect("receiver");
+                // Two streams, alternating: copies overlap on the copy engines.
+                let stream = &self.streams[st.next_stream % 2];
+                st.next_stream += 1;
+                // SAFETY: the source is the sender's lent memory, untouched until we confirm; the
+                // destination piece stays valid until our ticket completes (engine contract).
+                unsafe { copy_async(piece.region.addr, map + offset, len, stream) }
+                    .map_err(|e| gpu_err("a peer copy", e))?;
+            }
+            let mut events = Vec::with_capacity(2);
+            for s in &self.streams {
+                let e = self.gpu.event(false).map_err(|e| gpu_err(&self.name, e))?;
+                e.record(s).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
+                events.push(e);
+            }
+            self.recv.as_mut().expect("receiver").issued.insert(k, events);
+        }
+    }
+}
+
+fn st_mapped(st: &ReceiverState, key: u32) -> Option<CUdeviceptr> {
+    st.mapped.get(&key).map(|m| m.ptr())
+}
+
+fn split_identity(mut m: Vec<Bytes>, name: &str) -> Result<(Bytes, Vec<Bytes>), TransportError> {
+    if m.is_empty() {
+        return Err(TransportError::Protocol { peer: name.into(), detail: "an empty message".into() });
+    }
+    let id = m.remove(0);
+    Ok((id, m))
+}
+
+async fn recv(channel: &mut Channel, deadline: Instant, peer: &str, what: &str) -> Result<Vec<Bytes>, TransportError> {
+    let start = Instant::now();
+    match tokio::time::timeout_at(deadline, channel.inbound.recv()).await {
+        Ok(Some(Inbound::Message(m))) => Ok(m),
+        Ok(Some(Inbound::Lost(why))) => {
+            Err(TransportError::Closed { peer: peer.into(), what: format!("{what} ({why})") })
+        }
+        Ok(None) => Err(TransportError::Closed { peer: peer.into(), what: what.into() }),
+        Err(_) => {
+            Err(TransportError::Timeout { peer: peer.into(), what: what.into(), secs: start.elapsed().as_secs_f64() })
+        }
+    }
+}
+
+impl Transport for IpcTransport {
+    type Ticket = IpcTicket;
+    type Staging = DeviceStaging;
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn is_root(&self) -> bool {
+        self.root.is_some()
+    }
+
+    fn reaches(&self, space: MemorySpace) -> bool {
+        let here = space == MemorySpace::Device { ordinal: self.gpu.ordinal() as u32 };
+        // In staged mode the sender lends only its staging buffers: the engine packs everything.
+        here && !(self.root.is_some() && self.mode == IpcMode::Staged)
+    }
+
+    fn alloc_staging(&mut self, bytes: u64) -> Result<DeviceStaging, TransportError> {
+        self.gpu.alloc(bytes as usize).map(DeviceStaging).map_err(|e| gpu_err("allocating a staging buffer", e))
+    }
+
+    async fn begin(&mut self, version: Option<u64>, deadline: Instant) -> Result<u64, TransportError> {
+        self.check_usable()?;
+        match version {
+            Some(v) => {
+                let root = self.root.as_mut().expect("a root begins with a version");
+                root.acks.clear();
+                root.dones = 0;
+                // The sender's weights must be final before anyone copies them.
+                self.gpu
+                    .context()
+                    .synchronize()
+                    .map_err(|e| gpu_err("finishing the update", GpuError::driver("", e)))?;
+                self.send_all(vec![Bytes::from_static(b"B"), Bytes::copy_from_slice(&v.to_le_bytes())])?;
+                Ok(v)
+            }
+            None => {
+                let start = Instant::now();
+                loop {
+                    self.pump()?;
+                    if let Some(v) = self.recv.as_mut().expect("receiver").begun.take() {
+                        return Ok(v);
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(TransportError::Timeout {
+                            peer: self.name.clone(),
+                            what: "waiting for the refit to start".into(),
+                            secs: start.elapsed().as_secs_f64(),
+                        });
+                    }
+                    match tokio::time::timeout_at(deadline, self.channel.inbound.recv()).await {
+                        Ok(Some(Inbound::Message(m))) => self.on_receiver_message(m)?,
+                        Ok(Some(Inbound::Lost(why))) => {
+                            return Err(TransportError::Closed {
+                                peer: self.name.clone(),
+                                what: format!("waiting for the refit to start ({why})"),
+                            });
+                        }
+                        Ok(None) => {
+                            return Err(TransportError::Closed {
+                                peer: self.name.clone(),
+                                what: "waiting for the refit to start".into(),
+                            });
+                        }
+                        Err(_) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    unsafe fn submit(&mut self, bucket: u32, pieces: &[Piece]) -> Result<IpcTicket, TransportError> {
+        self.check_usable()?;
+        if self.recv.is_some() {
+            self.recv.as_mut().expect("receiver").submitted.push_back((bucket, pieces.to_vec()));
+            self.pump()?;
+            return Ok(IpcTicket::Bucket(bucket));
+        }
+        // The sender lends each piece's allocation (exported once) and announces the pieces.
+        let mut list = Vec::with_capacity(pieces.len() * 20);
+        for p in pieces {
+            let (base, _) = allocation_of(p.region.addr).map_err(|e| gpu_err("finding a lent allocation", e))?;
+            let known = self.root.as_ref().expect("root").exported.get(&base).copied();
+            let key = match known {
+                Some(k) => k,
+                None => {
+                    let handle = export(&self.gpu, base).map_err(|e| {
+                        gpu_err(
+                            "exporting the trainer's memory (allocate it with cuMemAlloc, or use the staged mode)",
+                            e,
+                        )
+                    })?;
+                    let root = self.root.as_mut().expect("root");
+                    let key = root.exported.len() as u32;
+                    root.exported.insert(base, key);
+                    self.send_all(vec![
+                        Bytes::from_static(b"N"),
+                        Bytes::copy_from_slice(&key.to_le_bytes()),
+                        Bytes::copy_from_slice(&handle.0),
+                    ])?;
+                    key
+                }
+            };
+            list.extend_from_slice(&key.to_le_bytes());
+            list.extend_from_slice(&(p.region.addr - base).to_le_bytes());
+            list.extend_from_slice(&p.region.len.to_le_bytes());
+        }
+        self.send_all(vec![
+            Bytes::from_static(b"K"),
+            Bytes::copy_from_slice(&bucket.to_le_bytes()),
+            Bytes::from(list),
+        ])?;
+        Ok(IpcTicket::Bucket(bucket))
+    }
+
+    unsafe fn copy(&mut self, copies: &[Copy2d]) -> Result<IpcTicket, TransportError> {
+        self.check_usable()?;
+        self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
+        let start = self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?;
+        start.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
+        for c in copies {
+            // SAFETY: regions valid until the ticket completes (engine contract).
+            unsafe {
+                copy2d_async(c.dst.addr, c.dst_pitch, c.src.addr, c.src_pitch, c.width, c.rows, &self.copy_stream)
+            }
+            .map_err(|e| gpu_err("a pack/unpack copy", e))?;
+        }
+        let end = self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?;
+        end.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
+        Ok(IpcTicket::Copy { start, end })
+    }
+
+    async fn wait(&mut self, ticket: IpcTicket, deadline: Instant) -> Result<(), TransportError> {
+        self.check_usable()?;
+        let began = Instant::now();
+        let timeout = |s: &Self, what: &str| TransportError::Timeout {
+            peer: s.name.clone(),
+            what: what.into(),
+            secs: began.elapsed().as_secs_f64(),
+        };
+        match ticket {
+            IpcTicket::Copy { start, end } => {
+                loop {
+                    match end.try_is_complete() {
+                        Ok(true) => break,
+                        Ok(false) => {}
+                        Err(e) => return Err(gpu_err("a copy", GpuError::driver("", e))),
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(timeout(self, "waiting for a copy"));
+                    }
+                    tokio::task::yield_now().await;
+                }
+                if let Ok(ms) = start.elapsed_ms(&end) {
+                    self.copy_busy += Duration::from_secs_f64(ms as f64 / 1e3);
+                }
+                Ok(())
+            }
+            IpcTicket::Bucket(k) if self.root.is_some() => loop {
+                self.pump()?;
+                let root = self.root.as_ref().expect("root");
+                if root.acks.get(&k).copied().unwrap_or(0) >= root.receivers.len() {
+                    return Ok(());
+                }
+                if Instant::now() >= deadline {
+                    return Err(timeout(self, &format!("waiting for the receivers to copy bucket {k}")));
+                }
+                tokio::task::yield_now().await;
+            },
+            IpcTicket::Bucket(k) => loop {
+                self.pump()?;
+                let st = self.recv.as_ref().expect("receiver");
+                if let Some(events) = st.issued.get(&k) {
+                    let mut done = true;
+                    for e in events {
+                        done &= e.try_is_complete().map_err(|e| gpu_err("a peer copy", GpuError::driver("", e)))?;
+                    }
+                    if done {
+                        self.recv.as_mut().expect("receiver").issued.remove(&k);
+                        self.send_root(vec![Bytes::from_static(b"A"), Bytes::copy_from_slice(&k.to_le_bytes())])?;
+                        return Ok(());
+                    }
+                }
+                if Instant::now() >= deadline {
+                    return Err(timeout(self, &format!("copying bucket {k}")));
+                }
+                tokio::task::yield_now().await;
+            },
+        }
+    }
+
+    async fn end(&mut self, version: u64, deadline: Instant) -> Result<(), TransportError> {
+        self.check_usable()?;
+        if self.root.is_some() {
+            let began = Instant::now();
+            loop {
+                self.pump()?;
+                let root = self.root.as_ref().expect("root");
+                if root.dones >= root.receivers.len() {
+                    return Ok(());
+                }
+                if Instant::now() >= deadline {
+                    return Err(TransportError::Timeout {
+                        peer: self.name.clone(),
+                        what: "waiting for the receivers' confirmations".into(),
+                        secs: began.elapsed().as_secs_f64(),
+                    });
+                }
+                tokio::task::yield_now().await;
+            }
+        } else {
+            self.send_root(vec![Bytes::from_static(b"D"), Bytes::copy_from_slice(&version.to_le_bytes())])
+        }
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if self.aborted.is_none() {
+            self.aborted = Some(reason.to_string());
+            if self.gpu.bind().is_ok() {
+                // Copies in flight finish on their own; after this nothing we were lent or handed
+                // is touched.
+                for s in self.streams.iter().chain([&self.copy_stream]) {
+                    let _ = s.synchronize();
+                }
+            }
+        }
+    }
+
+    fn copy_busy(&self) -> Duration {
+        self.copy_busy
+    }
+}
+
+impl Drop for IpcTransport {
+    fn drop(&mut self) {
+        self.channel.task.abort();
+    }
+}
+
+fn export(gpu: &Gpu, base: CUdeviceptr) -> Result<IpcHandle, GpuError> {
+    gpu.bind()?;
+    let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+    // SAFETY: base is the start of an allocation (from cuMemGetAddressRange).
+    let r = unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(GpuError::msg("cuIpcGetMemHandle", format!("{r:?}")));
+    }
+    // SAFETY: initialized by the successful call.
+    Ok(IpcHandle(unsafe { h.assume_init() }.reserved.map(|c| c as u8)))
+}

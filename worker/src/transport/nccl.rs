@@ -1,0 +1,430 @@
+//! NCCL transport (split mode): one communicator per sender — the sender (rank 0, the root) and
+//! every generation rank of its refit group.
+//!
+//! Each bucket is one NCCL group holding **one broadcast per piece**, straight from the sender's
+//! tensor into the receiver's tensor wherever the span is contiguous: the engine stages only
+//! strided spans (tensor-parallel column slices) and nothing is packed for contiguous ones. That
+//! is the design measured at 0.996 of the raw broadcast ceiling in GPU-NOTES.md, against 0.90–0.92
+//! for the usual pack → broadcast → unpack.
+//!
+//! Broadcasts run on the transport's NCCL stream, pack/unpack copies on its copy stream; each
+//! stream waits on the other's last event, so no host wait is needed for ordering, and tickets are
+//! CUDA events. Rendezvous: the sender listens on its refit port, hands every receiver the unique
+//! id (after the token and plan-identity handshake) and that TCP connection then carries the
+//! version at `begin` and the receivers' confirmations at `end`. The communicator is non-blocking:
+//! every wait polls it and the event, and a deadline or a dead peer aborts it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaEvent, CudaStream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+use super::{Piece, Transport, TransportError};
+use crate::gpu::nccl::{Comm, UniqueId, group_end, group_start};
+use crate::gpu::tensors::DeviceStaging;
+use crate::gpu::{Gpu, GpuError, copy2d_async};
+use crate::net::{self, Hello};
+use crate::refit::memory::{Copy2d, MemorySpace};
+use crate::refit::plan::PlanIdentity;
+
+/// Handshake magic of the NCCL rendezvous.
+pub const MAGIC: [u8; 4] = *b"RNCL";
+const VERSION: u16 = 1;
+const DONE: u8 = 0xD0;
+
+/// A completion: a CUDA event, and for copies the start event (to time the copy engine).
+pub struct NcclTicket {
+    end: Arc<CudaEvent>,
+    start: Option<CudaEvent>,
+}
+
+/// One member's side of a sender's NCCL communicator.
+pub struct NcclTransport {
+    name: String,
+    root: bool,
+    gpu: Gpu,
+    comm: Comm,
+    nccl_stream: Arc<CudaStream>,
+    copy_stream: Arc<CudaStream>,
+    last_nccl: Option<Arc<CudaEvent>>,
+    last_copy: Option<Arc<CudaEvent>>,
+    /// Root: one connection per receiver; receiver: the connection to the root.
+    peers: Vec<(String, TcpStream)>,
+    /// Root: receivers whose confirmation arrived while the root still waited on its buckets.
+    confirmed: Vec<bool>,
+    copy_busy: Duration,
+    timeout: Duration,
+    aborted: Option<String>,
+}
+
+fn gpu_err(what: &str, e: GpuError) -> TransportError {
+    TransportError::Config(format!("{what}: {e}"))
+}
+
+impl NcclTransport {
+    /// The sender's side: accepts `receivers` (by process name) on `listener`, gives each the
+    /// communicator's unique id and its rank, and joins the communicator as rank 0.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn root(
+        name: &str,
+        gpu: &Gpu,
+        listener: &TcpListener,
+        receivers: &[String],
+        identity: &PlanIdentity,
+        token: &str,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<NcclTransport, TransportError> {
+        let id = UniqueId::new().map_err(|e| gpu_err("creating the NCCL unique id", e))?;
+        let world = receivers.len() + 1;
+        let mut peers: Vec<Option<(String, TcpStream)>> = (0..receivers.len()).map(|_| None).collect();
+        let mut joined = 0;
+        while joined < receivers.len() {
+            let (mut s, _) = net::until(deadline, "waiting for NCCL receivers", name, async {
+                listener.accept().await.map_err(|e| net::NetError::io("accepting an NCCL receiver", name, e))
+            })
+            .await?;
+            net::tune(&s);
+            let hello = net::accept_hello(&mut s, MAGIC, VERSION, token, deadline, |h| {
+                let theirs = PlanIdentity::decode(&h.extra).ok_or("malformed plan identity")?;
+                if &theirs != identity {
+                    return Err(identity.mismatch("the sender", &theirs, &h.peer));
+                }
+                if !receivers.contains(&h.peer) {
+                    return Err(format!("`{}` is not a receiver of this sender", h.peer));
+                }
+                Ok(())
+            })
+            .await;
+            let Ok(hello) = hello else {
+                tracing::warn!(error = %hello.unwrap_err(), "refused an NCCL rendezvous");
+                continue;
+            };
+            let rank = receivers.iter().position(|r| r == &hello.peer).expect("checked") + 1;
+            let mut msg = Vec::with_capacity(136);
+            msg.extend_from_slice(&id.0);
+            msg.extend_from_slice(&(rank as u32).to_le_bytes());
+            msg.extend_from_slice(&(world as u32).to_le_bytes());
+            net::write_frame(&mut s, &msg)
+                .await
+                .map_err(|e| net::NetError::io("sending the NCCL id", hello.peer.as_str(), e))?;
+            if peers[rank - 1].is_none() {
+                joined += 1;
+            }
+            peers[rank - 1] = Some((hello.peer, s));
+        }
+        let peers = peers.into_iter().map(|p| p.expect("every receiver joined")).collect();
+        Self::join(name, true, gpu, &id, 0, world, peers, timeout, deadline).await
+    }
+
+    /// A receiver's side: fetches the unique id from the sender's rendezvous address (retrying
+    /// until `deadline`) and joins the communicator.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn receiver(
+        name: &str,
+        me: &str,
+        gpu: &Gpu,
+        root_addr: &str,
+        identity: &PlanIdentity,
+        token: &str,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<NcclTransport, TransportError> {
+        let mut s = net::connect_retry(root_addr, deadline, "the NCCL rendezvous").await?;
+        let hello = Hello {
+            magic: MAGIC,
+            version: VERSION,
+            token: token.into(),
+            peer: me.into(),
+            extra: identity.encode().to_vec(),
+        };
+        net::send_hello(&mut s, &hello, deadline, root_addr).await?;
+        let mut buf = Vec::new();
+        net::until(deadline, "receiving the NCCL unique id", root_addr, async {
+            net::read_frame(&mut s, &mut buf, 1024)
+                .await
+                .map_err(|e| net::NetError::io("receiving the NCCL id", root_addr, e))
+        })
+        .await?;
+        if buf.len() != 136 {
+            return Err(TransportError::Protocol {
+                peer: root_addr.into(),
+                detail: format!("an NCCL id message of {} bytes", buf.len()),
+            });
+        }
+        let id = UniqueId(buf[..128].try_into().expect("128 bytes"));
+        let rank = u32::from_le_bytes(buf[128..132].try_into().expect("4 bytes")) as usize;
+        let world = u32::from_le_bytes(buf[132..136].try_into().expect("4 bytes")) as usize;
+        Self::join(name, false, gpu, &id, rank, world, vec![(root_addr.to_string(), s)], timeout, deadline).await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn join(
+        name: &str,
+        root: bool,
+        gpu: &Gpu,
+        id: &UniqueId,
+        rank: usize,
+        world: usize,
+        peers: Vec<(String, TcpStream)>,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<NcclTransport, TransportError> {
+        let gpu2 = gpu.clone();
+        let id = *id;
+        let dl = deadline.into_std();
+        // Communicator init polls until every rank joined; keep it off the async threads.
+        let comm = tokio::task::spawn_blocking(move || Comm::init(&gpu2, &id, rank, world, dl))
+            .await
+            .map_err(|e| TransportError::Config(format!("NCCL init task: {e}")))?
+            .map_err(|e| gpu_err(name, e))?;
+        let nccl_stream = gpu.stream().map_err(|e| gpu_err(name, e))?;
+        let copy_stream = gpu.stream().map_err(|e| gpu_err(name, e))?;
+        Ok(NcclTransport {
+            name: name.into(),
+            root,
+            gpu: gpu.clone(),
+            comm,
+            nccl_stream,
+            copy_stream,
+            last_nccl: None,
+            last_copy: None,
+            confirmed: vec![false; peers.len()],
+            peers,
+            copy_busy: Duration::ZERO,
+            timeout,
+            aborted: None,
+        })
+    }
+
+    fn check_usable(&self) -> Result<(), TransportError> {
+        match &self.aborted {
+            Some(reason) => Err(TransportError::Aborted { name: self.name.clone(), reason: reason.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    /// A peer whose rendezvous connection closed. While buckets move nothing else travels on it
+    /// but a receiver's confirmation, which a root may see early: it is kept for `end`.
+    fn dead_peer(&mut self) -> Option<String> {
+        let mut b = [0u8; 1];
+        for (i, (peer, s)) in self.peers.iter().enumerate() {
+            if self.confirmed[i] {
+                continue;
+            }
+            match s.try_read(&mut b) {
+                Ok(0) => return Some(peer.clone()),
+                Ok(_) if self.root && b[0] == DONE => self.confirmed[i] = true,
+                Ok(_) => return Some(format!("{peer} (sent {:#x} in the middle of a refit)", b[0])),
+                Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => return Some(peer.clone()),
+                Err(_) => {}
+            }
+        }
+        None
+    }
+
+    fn event(&self) -> Result<CudaEvent, TransportError> {
+        self.gpu.event(false).map_err(|e| gpu_err(&self.name, e))
+    }
+
+    fn fail(&mut self, what: String) -> TransportError {
+        self.abort(&what);
+        TransportError::Io { peer: self.name.clone(), what, detail: "communicator aborted".into() }
+    }
+}
+
+impl Transport for NcclTransport {
+    type Ticket = NcclTicket;
+    type Staging = DeviceStaging;
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn is_root(&self) -> bool {
+        self.root
+    }
+
+    fn reaches(&self, space: MemorySpace) -> bool {
+        space == MemorySpace::Device { ordinal: self.gpu.ordinal() as u32 }
+    }
+
+    fn alloc_staging(&mut self, bytes: u64) -> Result<DeviceStaging, TransportError> {
+        self.gpu.alloc(bytes as usize).map(DeviceStaging).map_err(|e| gpu_err("allocating a staging buffer", e))
+    }
+
+    async fn begin(&mut self, version: Option<u64>, deadline: Instant) -> Result<u64, TransportError> {
+        self.check_usable()?;
+        match version {
+            Some(v) => {
+                for (peer, s) in &mut self.peers {
+                    net::until(deadline, "announcing the version", peer, async {
+                        s.write_all(&v.to_le_bytes())
+                            .await
+                            .map_err(|e| net::NetError::io("announcing the version", peer.as_str(), e))
+                    })
+                    .await?;
+                }
+                Ok(v)
+            }
+            None => {
+                let (peer, s) = &mut self.peers[0];
+                let mut b = [0u8; 8];
+                net::until(deadline, "waiting for the refit to start", peer, async {
+                    s.read_exact(&mut b)
+                        .await
+                        .map_err(|e| net::NetError::io("waiting for the refit's version", peer.as_str(), e))
+                })
+                .await?;
+                Ok(u64::from_le_bytes(b))
+            }
+        }
+    }
+
+    unsafe fn submit(&mut self, _bucket: u32, pieces: &[Piece]) -> Result<NcclTicket, TransportError> {
+        self.check_usable()?;
+        self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
+        if let Some(e) = &self.last_copy {
+            // Packing copies of this bucket come first.
+            self.nccl_stream
+                .wait(e)
+                .map_err(|e| gpu_err("ordering the broadcast after packing", GpuError::driver("", e)))?;
+        }
+        group_start().map_err(|e| gpu_err(&self.name, e))?;
+        let mut failed = None;
+        for p in pieces {
+            // SAFETY: the engine keeps every piece's region valid until the ticket completes.
+            if let Err(e) =
+                unsafe { self.comm.broadcast(p.region.addr, p.region.addr, p.region.len, 0, &self.nccl_stream) }
+            {
+                failed = Some(e);
+                break;
+            }
+        }
+        let ended = group_end();
+        if let Some(e) = failed.map(Err).unwrap_or(ended).err() {
+            return Err(self.fail(format!("enqueueing broadcasts: {e}")));
+        }
+        let dl = std::time::Instant::now() + self.timeout;
+        if let Err(e) = self.comm.wait_ready(dl, "launching broadcasts") {
+            return Err(self.fail(e.to_string()));
+        }
+        let ev = Arc::new(self.event()?);
+        ev.record(&self.nccl_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
+        self.last_nccl = Some(ev.clone());
+        Ok(NcclTicket { end: ev, start: None })
+    }
+
+    unsafe fn copy(&mut self, copies: &[Copy2d]) -> Result<NcclTicket, TransportError> {
+        self.check_usable()?;
+        self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
+        if let Some(e) = &self.last_nccl {
+            // Unpacking waits for the bytes to arrive.
+            self.copy_stream
+                .wait(e)
+                .map_err(|e| gpu_err("ordering an unpack after its broadcast", GpuError::driver("", e)))?;
+        }
+        let start = self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?;
+        start.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
+        for c in copies {
+            // SAFETY: regions valid until the ticket completes (engine contract).
+            unsafe {
+                copy2d_async(c.dst.addr, c.dst_pitch, c.src.addr, c.src_pitch, c.width, c.rows, &self.copy_stream)
+            }
+            .map_err(|e| gpu_err("a pack/unpack copy", e))?;
+        }
+        let end = Arc::new(self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?);
+        end.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
+        self.last_copy = Some(end.clone());
+        Ok(NcclTicket { end, start: Some(start) })
+    }
+
+    async fn wait(&mut self, ticket: NcclTicket, deadline: Instant) -> Result<(), TransportError> {
+        self.check_usable()?;
+        let began = Instant::now();
+        loop {
+            match ticket.end.try_is_complete() {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => return Err(self.fail(format!("waiting for a bucket: {e}"))),
+            }
+            if let Err(e) = self.comm.poll() {
+                return Err(self.fail(format!("NCCL reported {e}")));
+            }
+            // Over NVLink NCCL itself may never notice a dead peer; its rendezvous connection,
+            // which the kernel closes when the process dies, does at once.
+            if let Some(peer) = self.dead_peer() {
+                self.abort("a peer died");
+                return Err(TransportError::Closed {
+                    peer,
+                    what: "a refit was in flight (communicator aborted)".into(),
+                });
+            }
+            if Instant::now() >= deadline {
+                self.abort("timeout");
+                return Err(TransportError::Timeout {
+                    peer: self.name.clone(),
+                    what: "waiting for a bucket on the GPU".into(),
+                    secs: began.elapsed().as_secs_f64(),
+                });
+            }
+            tokio::task::yield_now().await;
+        }
+        if let Some(start) = ticket.start
+            && let Ok(ms) = start.elapsed_ms(&ticket.end)
+        {
+            self.copy_busy += Duration::from_secs_f64(ms as f64 / 1e3);
+        }
+        Ok(())
+    }
+
+    async fn end(&mut self, version: u64, deadline: Instant) -> Result<(), TransportError> {
+        self.check_usable()?;
+        let _ = version;
+        if self.root {
+            let early = std::mem::replace(&mut self.confirmed, vec![false; self.peers.len()]);
+            for ((peer, s), early) in self.peers.iter_mut().zip(early) {
+                if early {
+                    continue;
+                }
+                let mut b = [0u8; 1];
+                net::until(deadline, "waiting for a receiver's confirmation", peer, async {
+                    s.read_exact(&mut b)
+                        .await
+                        .map_err(|e| net::NetError::io("waiting for a confirmation", peer.as_str(), e))
+                })
+                .await?;
+                if b[0] != DONE {
+                    return Err(TransportError::Protocol {
+                        peer: peer.clone(),
+                        detail: format!("confirmation byte {:#x}", b[0]),
+                    });
+                }
+            }
+        } else {
+            let (peer, s) = &mut self.peers[0];
+            s.write_all(&[DONE]).await.map_err(|e| net::NetError::io("confirming the refit", peer.as_str(), e))?;
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if self.aborted.is_none() {
+            self.aborted = Some(reason.to_string());
+            self.comm.abort();
+            if self.gpu.bind().is_ok() {
+                // After the abort no kernel of the communicator runs; let the copies finish so no
+                // memory handed to us is touched after we return.
+                let _ = self.copy_stream.synchronize();
+                let _ = self.nccl_stream.synchronize();
+            }
+        }
+    }
+
+    fn copy_busy(&self) -> Duration {
+        self.copy_busy
+    }
+}

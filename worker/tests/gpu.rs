@@ -1,0 +1,172 @@
+//! GPU tests. Without a CUDA driver (or with too few GPUs) each prints that it skipped and passes;
+//! on a GPU machine they run for real. Peers are real processes of the `rlplane` binary
+//! (`RLPLANE_BIN` overrides its path, for running the test executable on another machine).
+//!
+//! Run on a GPU machine: `cargo test --release -p rlplane --test gpu -- --test-threads 1`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rlplane::bench::gpu::{GpuBenchArgs, GpuTransport, kill_sender_mid_refit, launch};
+use rlplane_api::model::{DType, ModelPreset, TensorSpec, TpSplit};
+use rlplane_api::spec::ModelSpec;
+
+fn bin() -> PathBuf {
+    std::env::var_os("RLPLANE_BIN").map(PathBuf::from).unwrap_or_else(|| env!("CARGO_BIN_EXE_rlplane").into())
+}
+
+/// GPUs present, or None after printing why the test skips.
+fn gpus(needed: usize, test: &str) -> Option<usize> {
+    match rlplane::gpu::probe() {
+        Ok(info) if info.devices >= needed => Some(info.devices),
+        Ok(info) => {
+            eprintln!("skipped {test}: needs {needed} GPU(s), found {}", info.devices);
+            None
+        }
+        Err(e) => {
+            eprintln!("skipped {test}: no GPU ({e})");
+            None
+        }
+    }
+}
+
+/// A random manifest with odd sizes, vectors, and one tensor several buckets long.
+fn random_manifest(seed: u64, big: u64) -> ModelSpec {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut t = Vec::new();
+    for i in 0..40 {
+        let rows = 2 * rng.random_range(1..300u64);
+        let cols = 2 * rng.random_range(1..700u64);
+        let dtype = [DType::Bf16, DType::F32, DType::F16][i % 3];
+        let split = [TpSplit::Rows, TpSplit::Columns, TpSplit::Replicated][rng.random_range(0..3)];
+        t.push(TensorSpec::with_split(format!("t{i}"), dtype, vec![rows, cols], split));
+        if i % 7 == 0 {
+            t.push(TensorSpec::new(format!("v{i}"), DType::Bf16, vec![rng.random_range(1..5000)]));
+        }
+    }
+    t.push(TensorSpec::with_split("big", DType::Bf16, vec![1024, big / 2048], TpSplit::Columns));
+    ModelSpec::tensors(t)
+}
+
+fn args(model: ModelSpec) -> GpuBenchArgs {
+    let mut a = GpuBenchArgs::new(model);
+    a.bin = Some(bin());
+    a.iters = 2;
+    a.warmup = 1;
+    a.timeout_seconds = 30;
+    a
+}
+
+fn show(rows: &[rlplane::bench::gpu::Row]) {
+    for r in rows {
+        eprintln!("  {:<70} {:>10.3} ms {:>8.1}", r.what, r.secs * 1e3, r.gbps);
+    }
+}
+
+fn block_on<T>(f: impl Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(f)
+}
+
+#[test]
+fn gpu_kernels_match_the_cpu_definitions() {
+    if gpus(1, "gpu_kernels_match_the_cpu_definitions").is_none() {
+        return;
+    }
+    let gpu = rlplane::gpu::Gpu::open(0).unwrap();
+    let stream = gpu.stream().unwrap();
+    // A strided region with odd widths: 37 rows of 29 bytes, pitch 61, inside a 4 KiB buffer.
+    let (rows, width, pitch, off) = (37u64, 29u64, 61u64, 13u64);
+    let buf = gpu.alloc(4096).unwrap();
+    buf.memset(0, &stream).unwrap();
+    let (seed, full_off, full_pitch) = (0x1234_5678_9abc_def0u64, 1001u64, 997u64);
+    unsafe { gpu.fill2d(&stream, buf.ptr() + off, rows, width, pitch, seed, full_off, full_pitch).unwrap() };
+    stream.synchronize().unwrap();
+    let mut host = vec![0u8; 4096];
+    buf.copy_to_host(0, &mut host).unwrap();
+    let mut expected = vec![0u8; 4096];
+    for r in 0..rows {
+        let at = (off + r * pitch) as usize;
+        rlplane::digest::fill(&mut expected[at..at + width as usize], seed, full_off + r * full_pitch);
+    }
+    assert_eq!(host, expected, "rlp_fill2d writes what digest::fill defines");
+    let out = gpu.alloc(8).unwrap();
+    out.memset(0, &stream).unwrap();
+    unsafe { gpu.digest2d(&stream, buf.ptr() + off, rows, width, pitch, out.ptr()).unwrap() };
+    stream.synchronize().unwrap();
+    let mut sum = [0u8; 8];
+    out.copy_to_host(0, &mut sum).unwrap();
+    let d = rlplane::gpu::finish_digest(u64::from_le_bytes(sum), rows * width);
+    assert_eq!(d, rlplane::digest::digest_strided(&host, off, rows, width, pitch), "rlp_digest2d = digest_strided");
+    eprintln!("GPU kernels agree with the CPU on a strided region");
+}
+
+#[test]
+fn nccl_refit_of_a_random_manifest_with_checksums_and_an_oversize_tensor() {
+    if gpus(2, "nccl_refit_of_a_random_manifest").is_none() {
+        return;
+    }
+    // Buckets of 1 MiB; the big tensor is 5 MiB, so it is chunked over six buckets.
+    let mut a = args(random_manifest(7, 5 << 20));
+    a.bucket_bytes = 1 << 20;
+    a.buffers = 3;
+    let rows = block_on(launch(&a)).unwrap();
+    show(&rows);
+}
+
+#[test]
+fn sharded_nccl_refit_from_two_tensor_parallel_senders() {
+    if gpus(4, "sharded_nccl_refit_from_two_tensor_parallel_senders").is_none() {
+        return;
+    }
+    let mut a = args(random_manifest(11, 3 << 20));
+    a.tp = 2;
+    a.receivers = 2;
+    a.bucket_bytes = 1 << 20;
+    let rows = block_on(launch(&a)).unwrap();
+    show(&rows);
+}
+
+#[test]
+fn colocated_cuda_ipc_refit_across_two_processes_direct_and_staged() {
+    if gpus(1, "colocated_cuda_ipc_refit").is_none() {
+        return;
+    }
+    let mut a = args(random_manifest(3, 5 << 20));
+    a.colocated = true;
+    a.transport = GpuTransport::CudaIpc;
+    a.bucket_bytes = 1 << 20;
+    let rows = block_on(launch(&a)).unwrap();
+    show(&rows);
+}
+
+#[test]
+fn cuda_ipc_peer_copies_between_two_gpus() {
+    if gpus(2, "cuda_ipc_peer_copies_between_two_gpus").is_none() {
+        return;
+    }
+    let mut a = args(random_manifest(5, 2 << 20));
+    a.transport = GpuTransport::CudaIpc;
+    a.bucket_bytes = 1 << 20;
+    let rows = block_on(launch(&a)).unwrap();
+    show(&rows);
+}
+
+#[test]
+fn a_sender_killed_mid_refit_leaves_receivers_incomplete_within_the_timeout() {
+    let Some(n) = gpus(1, "a_sender_killed_mid_refit") else { return };
+    // Many small buckets make the refit long enough to be killed in the middle.
+    let mut cases = vec![(GpuTransport::CudaIpc, true)];
+    if n >= 2 {
+        cases.push((GpuTransport::Nccl, false));
+    }
+    for (transport, colocated) in cases {
+        let mut a = args(ModelSpec::preset(ModelPreset::Llama3_8b));
+        a.transport = transport;
+        a.colocated = colocated;
+        a.bucket_bytes = 1 << 20;
+        a.timeout_seconds = 20;
+        let what = block_on(kill_sender_mid_refit(&a, Duration::from_millis(150))).unwrap();
+        eprintln!("{transport:?}: {what}");
+    }
+}
