@@ -14,6 +14,7 @@ pub mod pod;
 pub mod proc;
 pub mod refit;
 pub mod roles;
+pub mod status;
 pub mod supervisor;
 pub mod tq;
 pub mod transport;

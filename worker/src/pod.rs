@@ -65,7 +65,13 @@ pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> 
     if plan.process(me).role == ProcessRole::Coordinator {
         let (control, tq) = bind_coordinator(plan).await?;
         crate::roles::announce_ready(None);
-        let record = coordinator::run(plan, control, tq, &LogObserver).await?;
+        let reporter = crate::status::StatusReporter::in_cluster(&plan.job.namespace, &plan.job.name).await;
+        let observer = crate::status::ReportingObserver { inner: LogObserver, reporter };
+        let record = coordinator::run(plan, control, tq, &observer).await?;
+        // The last step's report goes out before the pod exits.
+        if let Some(r) = observer.reporter {
+            r.finish(std::time::Duration::from_secs(5)).await;
+        }
         eprint!("{}", Summary::of(&record).table());
         return Ok(ExitCode::SUCCESS);
     }
