@@ -67,6 +67,12 @@ pub enum SourceArg {
 pub enum TransportArg {
     /// TCP relayed through the receivers.
     Tcp,
+    /// NCCL broadcast between GPUs (see [`super::gpu`]).
+    Nccl,
+    /// CUDA IPC copy-engine copies (between GPUs of a node, or on one GPU with `--colocated`).
+    CudaIpc,
+    /// Measure the GPU transports that apply and keep the faster.
+    Auto,
 }
 
 /// Arguments of `rlplane bench refit`.
@@ -124,6 +130,12 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// GPU transports: trainer and generation share GPU 0 (CUDA IPC, direct and staged).
+    #[arg(long)]
+    pub colocated: bool,
+    /// GPU transports: untimed warm-up refits before the timed ones.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: u32,
 }
 
 /// Arguments of a refit peer process (spawned by the benchmark and the tests).
@@ -1072,7 +1084,28 @@ pub struct BenchReport {
 
 /// Runs the benchmark.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let TransportArg::Tcp = args.transport;
+    let gpu = match args.transport {
+        TransportArg::Tcp => None,
+        TransportArg::Nccl => Some(super::gpu::GpuTransport::Nccl),
+        TransportArg::CudaIpc => Some(super::gpu::GpuTransport::CudaIpc),
+        TransportArg::Auto => Some(super::gpu::GpuTransport::Auto),
+    };
+    if let Some(transport) = gpu {
+        if args.receivers.len() != 1 || args.receivers[0] == 0 {
+            bail!("--receivers: GPU transports take one group size of at least 1 (e.g. --receivers 2)");
+        }
+        let mut g = super::gpu::GpuBenchArgs::new(rlplane_api::spec::ModelSpec::preset(args.model));
+        g.transport = transport;
+        g.receivers = args.receivers[0];
+        g.tp = if args.source == SourceArg::Sharded { args.tp } else { 1 };
+        g.colocated = args.colocated;
+        g.buffers = args.buffers;
+        g.bucket_bytes = args.bucket_bytes;
+        g.iters = args.iters;
+        g.warmup = args.warmup;
+        g.timeout_seconds = args.timeout_seconds;
+        return super::gpu::run(g);
+    }
     if args.receivers.is_empty() || args.receivers.contains(&0) {
         bail!("--receivers: every group size must be at least 1 (e.g. --receivers 1,3,7)");
     }
