@@ -23,6 +23,7 @@ use rlplane_api::plan::{ProcessRole, WorkerPlan};
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::control::{Command, ControlError, ControlServer, Report, percentile_us};
 use crate::digest::mix64;
@@ -143,6 +144,8 @@ pub struct StepRecord {
     pub get_bytes: u64,
     /// Seconds of the slowest leader's fetch.
     pub get_s: f64,
+    /// Seconds of the trainer group's claim of the step's samples (metadata only).
+    pub claim_s: f64,
     /// Bytes every generation rank received in the refit.
     pub refit_bytes_per_receiver: u64,
     /// Receivers.
@@ -195,7 +198,10 @@ pub async fn run(
     let roles = Roles::of(plan);
     let mut record = RunRecord::default();
     for step in 1..=plan.workload.steps {
-        let r = run_step(plan, &roles, &mut server, &controller, step, timeout, observer).await?;
+        // One trace per step, shared with the ranks' spans of the step (see crate::telemetry).
+        let span = tracing::info_span!("step", step);
+        crate::telemetry::join_step(&span, &plan.job.token, step);
+        let r = run_step(plan, &roles, &mut server, &controller, step, timeout, observer).instrument(span).await?;
         observer.progress(Progress::StepDone(r.clone()));
         record.steps.push(r);
     }
@@ -267,7 +273,10 @@ async fn run_step(
     // 1. Generate.
     observer.progress(Progress::Phase { step, phase: "generate" });
     let t = Instant::now();
-    let generated = server.run(&roles.producers, Command::Generate { step }, Instant::now() + timeout).await?;
+    let generated = server
+        .run(&roles.producers, Command::Generate { step }, Instant::now() + timeout)
+        .instrument(tracing::info_span!("generate"))
+        .await?;
     rec.generate_s = t.elapsed().as_secs_f64();
     control_s += (rec.generate_s - max_busy(&generated)).max(0.0);
     rec.put_bytes = generated.values().map(|r| r.bytes).sum();
@@ -280,9 +289,11 @@ async fn run_step(
     let required: Vec<String> =
         [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD].map(String::from).to_vec();
     let n = produced as usize;
-    let claim = controller
-        .claim(&partition, TRAINER_GROUP, n, n, &required)
+    let tc = Instant::now();
+    let claim = tracing::info_span!("tq.claim", samples = n)
+        .in_scope(|| controller.claim(&partition, TRAINER_GROUP, n, n, &required))
         .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+    rec.claim_s = tc.elapsed().as_secs_f64();
     if claim.meta.samples.len() as u64 != produced {
         return Err(CoordinatorError::Check {
             step,
@@ -311,7 +322,7 @@ async fn run_step(
         }
         cmds.push((leader.clone(), Command::Train { step, batch: Some(batch) }));
     }
-    let train = server.run_each(cmds, Instant::now() + timeout).await?;
+    let train = server.run_each(cmds, Instant::now() + timeout).instrument(tracing::info_span!("train")).await?;
     let train_wall = t.elapsed().as_secs_f64();
     control_s += (train_wall - max_busy(&train)).max(0.0);
     let mut batch_digests = Vec::with_capacity(roles.shards.len());
@@ -335,21 +346,24 @@ async fn run_step(
     let moved = max_phase(&leaders, &["fetch", "fanout", "writeback"]);
     let t = Instant::now();
     let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.clone()).collect();
-    controller
-        .ack(&partition, TRAINER_GROUP, claim.claim_id, &keys)
+    tracing::info_span!("tq.ack")
+        .in_scope(|| controller.ack(&partition, TRAINER_GROUP, claim.claim_id, &keys))
         .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
     let ack_s = t.elapsed().as_secs_f64();
 
     // The update: new weights derive from the step and every shard's batch.
     let seed = batch_digests.iter().fold(mix64(step as u64), |acc, d| mix64(acc ^ d));
     let t = Instant::now();
-    let update = server.run(&roles.trainers, Command::Update { step, seed }, Instant::now() + timeout).await?;
+    let update = server
+        .run(&roles.trainers, Command::Update { step, seed }, Instant::now() + timeout)
+        .instrument(tracing::info_span!("update"))
+        .await?;
     let update_wall = t.elapsed().as_secs_f64();
     control_s += (update_wall - max_busy(&update)).max(0.0);
 
     observer.progress(Progress::Phase { step, phase: "clear" });
     let t = Instant::now();
-    let cleared = controller.clear(&partition).await;
+    let cleared = controller.clear(&partition).instrument(tracing::info_span!("tq.clear")).await;
     if !cleared.unreachable.is_empty() {
         tracing::warn!(step, units = ?cleared.unreachable, "storage units unreachable while clearing");
     }
@@ -371,7 +385,10 @@ async fn run_step(
             cmds.push((m.clone(), Command::Refit { version: step as u64, expected }));
         }
     }
-    let refit = server.run_each(cmds, Instant::now() + timeout).await?;
+    let refit = server
+        .run_each(cmds, Instant::now() + timeout)
+        .instrument(tracing::info_span!("refit", version = step))
+        .await?;
     rec.refit_s = t.elapsed().as_secs_f64();
     control_s += (rec.refit_s - max_busy(&refit)).max(0.0);
     let receivers: Vec<&String> = roles.refit_groups.iter().flat_map(|(_, r)| r).collect();
@@ -393,6 +410,7 @@ async fn run_step(
     }
     rec.control_s = control_s;
     rec.total_s = step_start.elapsed().as_secs_f64();
+    tracing::debug!(seconds = rec.total_s, refit_s = rec.refit_s, "step finished");
     Ok(rec)
 }
 

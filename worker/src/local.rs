@@ -64,6 +64,10 @@ pub struct LocalArgs {
     /// Override spec.workload.steps.
     #[arg(long)]
     pub steps: Option<u32>,
+    /// Serve every rank's metrics and the coordinator's, merged, at
+    /// http://127.0.0.1:PORT/metrics while the job runs.
+    #[arg(long, value_name = "PORT")]
+    pub metrics_port: Option<u16>,
 }
 
 /// Loopback addressing: every pod is 127.0.0.1, every port a free one, sockets in a scratch dir.
@@ -173,7 +177,7 @@ pub fn main(args: LocalArgs) -> ExitCode {
         job.spec.workload.steps = s;
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
-    match rt.block_on(run(job, args.json.as_deref())) {
+    match rt.block_on(run(job, args.json.as_deref(), args.metrics_port)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Interrupted) => {
             eprintln!("interrupted: every rank stopped");
@@ -222,7 +226,7 @@ fn resolve_transport(job: &mut rlplane_api::RLJob) -> anyhow::Result<(RefitTrans
     Ok((t, Some(info)))
 }
 
-async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Failure> {
+async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Option<u16>) -> Result<(), Failure> {
     let (transport, gpus) = resolve_transport(&mut job)?;
     let name = job.metadata.name.clone().unwrap_or_else(|| "local".into());
     let scratch = tempdir(&name)?;
@@ -238,6 +242,24 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Fai
     // Release the reserved ports only now; the coordinator binds its own at once.
     drop(addressing);
     let (control, tq) = bind_coordinator(&plan).await?;
+    // The coordinator's metrics, and with --metrics-port one /metrics merging them with every rank's.
+    let mut registry = crate::metrics::JobLabels::of(&plan).registry(&[]);
+    let coordinator_metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
+    let merged = match metrics_port {
+        Some(port) => {
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.with_context(|| {
+                format!("--metrics-port {port}: cannot listen on 127.0.0.1:{port}; pick a free port")
+            })?;
+            let own = crate::metrics::JobLabels::of(&plan).registry(&[]);
+            let merged = crate::metrics::MergedMetrics::new(own, vec![Arc::new(registry)]);
+            let app = crate::metrics::router(merged.clone());
+            tokio::spawn(async move {
+                let _ = axum::serve(listener, app).await;
+            });
+            Some(merged)
+        }
+        None => None,
+    };
 
     let ui = Ui::new(&plan);
     ui.line(format!(
@@ -270,9 +292,25 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>) -> Result<(), Fai
         sup.spawn(&p.name, &describe(&plan, i as u32), cmd).with_context(|| format!("starting {}", p.name))?;
     }
     sup.watch();
+    if let Some(m) = &merged {
+        // The ranks announce their metrics endpoints when ready (they connect to the coordinator
+        // afterwards, and wait for it).
+        if let Err(e) = sup.wait_ready(Duration::from_secs(300)).await {
+            let why = match e {
+                crate::supervisor::ReadyError::Exited(x) => x.describe(),
+                crate::supervisor::ReadyError::Timeout(names) => format!("not ready after 300s: {}", names.join(", ")),
+            };
+            sup.stop(Duration::from_secs(5)).await;
+            let _ = std::fs::remove_dir_all(&scratch);
+            return Err(Failure::Error(anyhow::anyhow!(why)));
+        }
+        m.set_children(crate::pod::children_metrics(&sup));
+        ui.line(format!("metrics at http://127.0.0.1:{}/metrics", metrics_port.unwrap_or_default()));
+    }
 
     let outcome = {
-        let coordinated = coordinator::run(&plan, control, tq, &ui);
+        let observer = crate::metrics::MetricsObserver { inner: &ui, metrics: coordinator_metrics };
+        let coordinated = coordinator::run(&plan, control, tq, &observer);
         tokio::pin!(coordinated);
         loop {
             tokio::select! {

@@ -31,11 +31,15 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("RLPLANE_LOG").unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // Logs and traces (exported when the plan, the manifest or OTEL_EXPORTER_OTLP_ENDPOINT names a
+    // collector); flushed when `_telemetry` drops, after the command returns.
+    let settings = match &cli.command {
+        Command::Local(a) => rlplane::telemetry::Settings::for_manifest(&a.manifest),
+        Command::Worker(a) => rlplane::telemetry::Settings::for_plan(&a.plan, a.process.as_deref()),
+        _ => rlplane::telemetry::Settings::from_env("rlplane"),
+    };
+    let _telemetry = rlplane::telemetry::init(&settings);
     let result = match cli.command {
         Command::Local(a) => return rlplane::local::main(a),
         Command::Worker(a) => return rlplane::pod::main(a),

@@ -64,10 +64,15 @@ pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> 
     let me = plan.process_index(name).with_context(|| format!("process `{name}` is not in the plan"))?;
     if plan.process(me).role == ProcessRole::Coordinator {
         let (control, tq) = bind_coordinator(plan).await?;
-        crate::roles::announce_ready(None);
+        let mut registry = crate::metrics::JobLabels::of(plan).registry(&[]);
+        let metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
+        let served = crate::metrics::RankMetrics::default().serve(registry).await;
+        crate::roles::announce_ready(served.addr());
         let reporter = crate::status::StatusReporter::in_cluster(&plan.job.namespace, &plan.job.name).await;
         let observer = crate::status::ReportingObserver { inner: LogObserver, reporter };
-        let record = coordinator::run(plan, control, tq, &observer).await?;
+        let observed = crate::metrics::MetricsObserver { inner: &observer, metrics };
+        let record = coordinator::run(plan, control, tq, &observed).await?;
+        drop(observed);
         // The last step's report goes out before the pod exits.
         if let Some(r) = observer.reporter {
             r.finish(std::time::Duration::from_secs(5)).await;
@@ -138,7 +143,9 @@ async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -
     sup.watch();
     let ready = Arc::new(AtomicBool::new(false));
     let health_addr: SocketAddr = ([0, 0, 0, 0], plan.observability.metrics_port).into();
-    let health = tokio::spawn(serve_health(health_addr, ready.clone()));
+    // One /metrics for the pod: every rank's, merged (see crate::metrics).
+    let metrics = crate::metrics::MergedMetrics::new(crate::metrics::JobLabels::of(plan).registry(&[]), Vec::new());
+    let health = tokio::spawn(serve_health(health_addr, ready.clone(), metrics.clone()));
     let readiness = sup.wait_ready(Duration::from_secs(300)).await;
     if let Err(e) = readiness {
         let msg = match e {
@@ -148,6 +155,7 @@ async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -
         sup.stop(Duration::from_secs(5)).await;
         anyhow::bail!("pod {pod}: {msg}");
     }
+    metrics.set_children(children_metrics(&sup));
     ready.store(true, Ordering::Release);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let outcome = loop {
@@ -173,8 +181,14 @@ async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -
     }
 }
 
-/// `/healthz` (alive) and `/readyz` (every rank of the pod ready) on the metrics port.
-async fn serve_health(addr: SocketAddr, ready: Arc<AtomicBool>) {
+/// The metrics endpoints the children announced: (name, address).
+pub fn children_metrics(sup: &Supervisor) -> Vec<(String, String)> {
+    sup.names().into_iter().zip(sup.readiness()).filter_map(|(n, r)| Some((n, r?.metrics?))).collect()
+}
+
+/// `/healthz` (alive), `/readyz` (every rank of the pod ready) and `/metrics` (every rank's,
+/// merged) on the metrics port.
+async fn serve_health(addr: SocketAddr, ready: Arc<AtomicBool>, metrics: Arc<crate::metrics::MergedMetrics>) {
     use axum::http::StatusCode;
     use axum::routing::get;
     let app = axum::Router::new().route("/healthz", get(|| async { "ok" })).route(
@@ -190,6 +204,7 @@ async fn serve_health(addr: SocketAddr, ready: Arc<AtomicBool>) {
             }
         }),
     );
+    let app = app.merge(crate::metrics::router(metrics));
     match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => {
             let _ = axum::serve(l, app).await;

@@ -12,10 +12,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use rlplane_api::TqPlacement;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
+use tracing::Instrument;
 
 use super::refit_side::{self, Receiver, Weights};
 use super::{Rank, announce_ready, secs, serve_commands};
 use crate::control::{Command, ControlClient, ControlError, Report};
+use crate::metrics::RankMetrics;
 use crate::refit::RefitPlan;
 use crate::tq::{ClientConfig, Column, PutOptions, StorageServer, StorageUnit, TqClient};
 use crate::workload::{self, fields};
@@ -28,6 +30,7 @@ struct Generation {
     plans: Vec<Arc<RefitPlan>>,
     receiver: Receiver,
     weights: Weights,
+    metrics: RankMetrics,
 }
 
 /// Runs generation rank `me`.
@@ -35,6 +38,7 @@ pub async fn run(
     plan: &WorkerPlan,
     me: u32,
     control: impl Future<Output = Result<ControlClient, ControlError>>,
+    metrics: RankMetrics,
 ) -> anyhow::Result<()> {
     let ProcessRole::Generation(coords) = plan.process(me).role else {
         anyhow::bail!("process {me} is not a generation rank")
@@ -54,6 +58,7 @@ pub async fn run(
             Duration::from_secs(plan.transfer_queue.put_timeout_seconds as u64),
         );
         serving = Some(tokio::spawn(server.serve(listener)));
+        metrics.storage_unit(storage.clone());
         local_unit = Some(storage);
     }
     let group =
@@ -61,7 +66,7 @@ pub async fn run(
     let kind = refit_side::kind(plan, &group);
     let gpu = refit_side::open_gpu(plan, me, kind)?;
     let refit_listener = refit_side::bind(plan, me, kind, false).await?;
-    announce_ready(None);
+    announce_ready(metrics.addr());
 
     let (control, connected) = tokio::join!(
         control,
@@ -71,8 +76,8 @@ pub async fn run(
     let (receiver, plans) = connected?;
     let tq = if coords.producer { Some(TqClient::new(ClientConfig::from_plan(plan, me)?, local_unit)?) } else { None };
     let weights = Weights::alloc(kind, gpu.as_ref(), plan.manifest().iter().map(|t| Some(t.size_bytes())))?;
-    let mut rank = Generation { plan: plan.clone(), engine: coords.engine, tq, plans, receiver, weights };
-    let r = serve_commands(&mut control, &mut rank).await;
+    let mut rank = Generation { plan: plan.clone(), engine: coords.engine, tq, plans, receiver, weights, metrics };
+    let r = serve_commands(&mut control, &mut rank, &plan.job.token).await;
     if let Some(s) = serving {
         s.abort();
     }
@@ -121,9 +126,11 @@ impl Generation {
             .collect();
         let put = tq
             .put_with(&format!("step-{step}"), &keys, &columns, &PutOptions { tokens: Some(tokens), tags: uid_tags })
+            .instrument(tracing::info_span!("tq.put", samples = keys.len()))
             .await
             .with_context(|| format!("putting step {step}'s rollouts"))?;
         let put_s = secs(t);
+        self.metrics.tq_put(put.bytes, put_s);
         Ok(Report {
             busy_secs: generate_s + put_s,
             bytes: put.bytes,
@@ -136,8 +143,11 @@ impl Generation {
 
     async fn refit(&mut self, version: u64, expected: u64) -> anyhow::Result<Report> {
         let t = Instant::now();
-        let stats = self.receiver.receive(&mut self.weights).await?;
+        let stats =
+            self.receiver.receive(&mut self.weights).instrument(tracing::info_span!("refit.receive", version)).await?;
         let busy = secs(t);
+        self.metrics.refit(&stats);
+        super::trainer::refit_event(&stats);
         if stats.version != version {
             anyhow::bail!("received weight version {} where the coordinator announced {version}", stats.version);
         }
@@ -152,6 +162,9 @@ impl Generation {
             );
         }
         let held = self.receiver.state().current();
+        if let Some(v) = held {
+            self.metrics.weight_version(v);
+        }
         Ok(Report {
             busy_secs: busy,
             bytes: stats.bytes,

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::control::{Command, ControlClient, Envelope, Reply, Report};
 use crate::supervisor::READY_PREFIX;
@@ -39,16 +40,34 @@ pub trait Rank {
     fn execute(&mut self, command: Command) -> impl Future<Output = anyhow::Result<Report>>;
 }
 
+/// The step a command belongs to (a refit's version is its step).
+fn command_step(command: &Command) -> Option<u32> {
+    match command {
+        Command::Generate { step } | Command::Train { step, .. } | Command::Update { step, .. } => Some(*step),
+        Command::Refit { version, .. } => u32::try_from(*version).ok(),
+        Command::Shutdown => None,
+    }
+}
+
 /// The command loop: execute each command and answer Done or Failed, until Shutdown or until the
-/// coordinator goes away.
-pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R) -> anyhow::Result<()> {
+/// coordinator goes away. Each command runs in a span named after it, in its step's trace (the
+/// job `token` and the step derive it, see [`crate::telemetry`]).
+pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R, token: &str) -> anyhow::Result<()> {
     while let Some(Envelope { seq, command, .. }) = control.next().await? {
         if command == Command::Shutdown {
             return Ok(());
         }
         let name = command.name();
-        match rank.execute(command).await {
-            Ok(report) => control.reply(&Reply::Done { seq, report }).await?,
+        let step = command_step(&command);
+        let span = tracing::info_span!("command", otel.name = name, command = name, step);
+        if let Some(step) = step {
+            crate::telemetry::join_step(&span, token, step);
+        }
+        match rank.execute(command).instrument(span.clone()).await {
+            Ok(report) => {
+                span.in_scope(|| tracing::debug!(busy_s = report.busy_secs, bytes = report.bytes, "{name} done"));
+                control.reply(&Reply::Done { seq, report }).await?
+            }
             Err(e) => {
                 let error = format!("{e:#}");
                 control.reply(&Reply::Failed { seq, error: error.clone() }).await?;
@@ -61,15 +80,18 @@ pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R) 
     anyhow::bail!("the coordinator closed the control channel before Shutdown")
 }
 
-/// Runs process `me` of the plan until Shutdown.
+/// Runs process `me` of the plan until Shutdown. Its metrics are served on a loopback port that
+/// the readiness line announces.
 pub async fn run_process(plan: WorkerPlan, me: u32) -> anyhow::Result<()> {
     let deadline = Instant::now() + startup_timeout(&plan);
     let name = plan.process(me).name.clone();
+    let (registry, metrics) = crate::metrics::RankMetrics::for_process(&plan, me);
+    let metrics = metrics.serve(registry).await;
     let control = async { ControlClient::connect(&plan.control_address(), &plan.job.token, &name, deadline).await };
     match plan.process(me).role {
-        ProcessRole::Trainer(_) => trainer::run(&plan, me, control).await,
-        ProcessRole::Generation(_) => generation::run(&plan, me, control).await,
-        ProcessRole::Storage { .. } => storage::run(&plan, me, control).await,
+        ProcessRole::Trainer(_) => trainer::run(&plan, me, control, metrics).await,
+        ProcessRole::Generation(_) => generation::run(&plan, me, control, metrics).await,
+        ProcessRole::Storage { .. } => storage::run(&plan, me, control, metrics).await,
         ProcessRole::Coordinator => anyhow::bail!("the coordinator is not a rank; run it with the coordinator role"),
     }
 }

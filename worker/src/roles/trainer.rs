@@ -13,12 +13,14 @@ use std::time::Instant;
 use anyhow::Context;
 use rlplane_api::TqFetch;
 use rlplane_api::plan::{ProcessRole, TrainerCoords, WorkerPlan};
+use tracing::Instrument;
 
 use super::generation::segment_id;
 use super::refit_side::{self, Kind, Sender, Weights};
 use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::digest::Digest;
+use crate::metrics::RankMetrics;
 use crate::refit::{self, RefitPlan, ShardCoords};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
@@ -39,6 +41,7 @@ struct Trainer {
     shard: Weights,
     /// Set on refit senders: the stream and this sender's position in its group.
     sender: Option<(Sender, usize)>,
+    metrics: RankMetrics,
 }
 
 /// Runs trainer rank `me`.
@@ -46,6 +49,7 @@ pub async fn run(
     plan: &WorkerPlan,
     me: u32,
     control: impl Future<Output = Result<ControlClient, ControlError>>,
+    metrics: RankMetrics,
 ) -> anyhow::Result<()> {
     let ProcessRole::Trainer(coords) = plan.process(me).role else {
         anyhow::bail!("process {me} is not a trainer rank")
@@ -68,7 +72,7 @@ pub async fn run(
         Some(port) => Some(crate::net::bind(&plan.bind_address(me, port), "the fan-out leader").await?),
         None => None,
     };
-    announce_ready(None);
+    announce_ready(metrics.addr());
 
     let leader_batch = plan.transfer_queue.fetch == TqFetch::LeaderBroadcast;
     let fanout = async {
@@ -107,8 +111,8 @@ pub async fn run(
     };
     let shard = Weights::alloc(kind, gpu.as_ref(), shard_plan.tensors().iter().map(|t| t.source_bytes))?;
     let tq = TqClient::new(ClientConfig::from_plan(plan, me)?, None)?;
-    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender };
-    serve_commands(&mut control, &mut rank).await
+    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics };
+    serve_commands(&mut control, &mut rank, &plan.job.token).await
 }
 
 impl Rank for Trainer {
@@ -143,18 +147,31 @@ impl Trainer {
         let (batch, fetched) = match (&mut self.fanout, meta) {
             (Fanout::Follower(f), _) => {
                 let t = Instant::now();
-                let b = f.receive().await.with_context(|| format!("receiving step {step}'s batch from the leader"))?;
+                let b = f
+                    .receive()
+                    .instrument(tracing::info_span!("tq.fanout"))
+                    .await
+                    .with_context(|| format!("receiving step {step}'s batch from the leader"))?;
                 phases.insert("fanout".to_string(), secs(t));
                 (b, 0)
             }
             (fanout, Some(meta)) => {
                 let t = Instant::now();
-                let b = self.tq.get(&meta, &wanted).await.with_context(|| format!("fetching step {step}'s batch"))?;
+                let b = self
+                    .tq
+                    .get(&meta, &wanted)
+                    .instrument(tracing::info_span!("tq.get", samples = meta.samples.len()))
+                    .await
+                    .with_context(|| format!("fetching step {step}'s batch"))?;
                 phases.insert("fetch".to_string(), secs(t));
                 let bytes = b.columns.iter().map(|c| c.nbytes() as u64).sum();
+                self.metrics.tq_get(bytes, secs(t));
                 if let Fanout::Leader(l) = fanout {
                     let t = Instant::now();
-                    l.broadcast(&b).await.with_context(|| format!("fanning step {step}'s batch out"))?;
+                    l.broadcast(&b)
+                        .instrument(tracing::info_span!("tq.fanout"))
+                        .await
+                        .with_context(|| format!("fanning step {step}'s batch out"))?;
                     phases.insert("fanout".to_string(), secs(t));
                 }
                 (b, bytes)
@@ -180,6 +197,7 @@ impl Trainer {
             let views: Vec<&[f32]> = logprobs.iter().map(Vec::as_slice).collect();
             self.tq
                 .write_back(&batch.meta, fields::LOGPROBS, &Column::ragged(fields::LOGPROBS, &views))
+                .instrument(tracing::info_span!("tq.write_back"))
                 .await
                 .with_context(|| format!("writing back step {step}'s log-probabilities"))?;
             phases.insert("writeback".to_string(), secs(t));
@@ -209,7 +227,9 @@ impl Trainer {
     async fn refit(&mut self, version: u64) -> anyhow::Result<Report> {
         let (sender, _) = self.sender.as_mut().context("this trainer rank sends no refit")?;
         let t = Instant::now();
-        let stats = sender.send(version, &self.shard).await?;
+        let stats = sender.send(version, &self.shard).instrument(tracing::info_span!("refit.send", version)).await?;
+        self.metrics.refit(&stats);
+        refit_event(&stats);
         Ok(Report {
             busy_secs: secs(t),
             bytes: stats.bytes,
@@ -228,4 +248,19 @@ impl Trainer {
             ..Default::default()
         })
     }
+}
+
+/// A debug event with the refit's per-phase timings (a span event in the trace).
+pub(crate) fn refit_event(stats: &refit::RefitStats) {
+    tracing::debug!(
+        version = stats.version,
+        bytes = stats.bytes,
+        buckets = stats.buckets,
+        total_s = stats.total_secs,
+        pack_s = stats.pack_secs,
+        transfer_s = stats.transfer_secs,
+        unpack_s = stats.unpack_secs,
+        buffer_wait_s = stats.buffer_wait_secs,
+        "refit done"
+    );
 }
