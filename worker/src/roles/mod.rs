@@ -59,7 +59,7 @@ pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R, 
         }
         let name = command.name();
         let step = command_step(&command);
-        let span = tracing::info_span!("command", otel.name = name, command = name, step);
+        let span = tracing::info_span!("command", otel.name = name, step);
         if let Some(step) = step {
             crate::telemetry::join_step(&span, token, step);
         }
