@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
 # rlplane's GPU tests and benchmarks, as recorded in docs/benchmarks.md.
-# Usage: scripts/gpu-bench.sh DIR   (DIR holds the release `rlplane` binary and the `gpu-tests`
-# executable printed by `cargo test --release -p rlplane --test gpu --no-run`).
-# Every step has its own time limit so that one hang cannot eat the rest.
+# Usage: scripts/gpu-bench.sh DIR [STEP...]
+#   DIR holds the release `rlplane` binary and the `gpu-tests` executable (the path printed by
+#   `cargo test --release -p rlplane --test gpu --no-run`).
+#   STEPs (default: all): tests split auto colocated sharded local
+# Every step has its own time limit, so that one hang cannot eat the rest.
 set -u
-dir=${1:?usage: scripts/gpu-bench.sh DIR}
+dir=${1:?usage: scripts/gpu-bench.sh DIR [STEP...]}
+shift
+steps=${*:-tests split auto colocated sharded local}
 bin=$dir/rlplane
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export RLPLANE_BIN=$bin RLPLANE_LOG=${RLPLANE_LOG:-warn}
+want() { [[ " $steps " == *" $1 "* ]]; }
 step() { echo; echo "=== $*"; }
-step machine; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
-python3 -c 'import nvidia.nccl, os; print("pip NCCL:", list(nvidia.nccl.__path__)[0])' 2>/dev/null || echo "no pip NCCL"
+step machine
+nvidia-smi -L
+nvidia-smi topo -m 2>/dev/null | head -8
+python3 -c 'import nvidia.nccl; print("pip NCCL:", list(nvidia.nccl.__path__)[0])' 2>/dev/null || echo "no pip NCCL"
 gpus=$(nvidia-smi -L | wc -l)
 llama="--model llama3-8b --bucket-bytes 1073741824 --buffers 2 --iters 10"
-step "GPU tests"; timeout 300 "$dir/gpu-tests" --test-threads 1 --nocapture
-step "split refit over NCCL, 1 receiver"; timeout 180 "$bin" bench refit --transport nccl --receivers 1 $llama
-step "split refit, auto (NCCL vs CUDA IPC copy engines)"; timeout 180 "$bin" bench refit --transport auto --receivers 1 $llama
-step "colocated refit over CUDA IPC (direct vs staged)"; timeout 180 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 $llama
-if [ "$gpus" -ge 4 ]; then
+if want tests; then step "GPU tests"; timeout 240 "$dir/gpu-tests" --test-threads 1 --nocapture; fi
+if want split; then step "split refit over NCCL, 1 receiver"; timeout 120 "$bin" bench refit --transport nccl --receivers 1 $llama; fi
+if want auto; then step "split refit, auto (NCCL vs CUDA IPC copy engines)"; timeout 150 "$bin" bench refit --transport auto --receivers 1 $llama; fi
+if want colocated; then step "colocated refit over CUDA IPC (direct vs staged)"; timeout 150 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 $llama; fi
+if want sharded && [ "$gpus" -ge 4 ]; then
   step "sharded refit, tp=2 -> 2 receivers, vs gather-then-broadcast"
-  timeout 240 "$bin" bench refit --transport nccl --source sharded --tp 2 --receivers 2 $llama
-  step "the whole loop on 4 GPUs: rlplane local (Auto = CUDA IPC) and --transport nccl"
-  timeout 240 "$bin" local manifests/rljob-gpu-4.yaml
-  timeout 240 "$bin" local manifests/rljob-gpu-4.yaml --transport nccl
+  timeout 180 "$bin" bench refit --transport nccl --source sharded --tp 2 --receivers 2 $llama
+fi
+if want local && [ "$gpus" -ge 4 ]; then
+  step "the whole loop on 4 GPUs: rlplane local (Auto = CUDA IPC), then --transport nccl"
+  timeout 150 "$bin" local manifests/rljob-gpu-4.yaml
+  timeout 150 "$bin" local manifests/rljob-gpu-4.yaml --transport nccl
 fi

@@ -98,7 +98,16 @@ fn gpu_kernels_match_the_cpu_definitions() {
     out.copy_to_host(0, &mut sum).unwrap();
     let d = rlplane::gpu::finish_digest(u64::from_le_bytes(sum), rows * width);
     assert_eq!(d, rlplane::digest::digest_strided(&host, off, rows, width, pitch), "rlp_digest2d = digest_strided");
-    eprintln!("GPU kernels agree with the CPU on a strided region");
+    // A contiguous, 8-byte-aligned region with a partial last word takes the whole-word kernel.
+    for len in [1003u64, 4096, 7] {
+        out.memset(0, &stream).unwrap();
+        unsafe { gpu.digest2d(&stream, buf.ptr(), 1, len, len, out.ptr()).unwrap() };
+        stream.synchronize().unwrap();
+        out.copy_to_host(0, &mut sum).unwrap();
+        let d = rlplane::gpu::finish_digest(u64::from_le_bytes(sum), len);
+        assert_eq!(d, rlplane::digest::digest_bytes(&host[..len as usize]), "rlp_digest_words over {len} bytes");
+    }
+    eprintln!("GPU kernels agree with the CPU on strided and contiguous regions");
 }
 
 #[test]

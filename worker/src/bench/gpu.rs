@@ -222,9 +222,14 @@ pub fn run(args: GpuBenchArgs) -> anyhow::Result<()> {
 }
 
 fn print_rows(args: &GpuBenchArgs, rows: &[Row]) -> anyhow::Result<()> {
-    println!("{:<58} {:>14} {:>10} {:>9}", "measurement", "bytes/receiver", "ms", "GB/s");
+    println!("{:<72} {:>14} {:>9} {:>8}", "measurement", "bytes/receiver", "ms", "GB/s");
     for r in rows {
-        println!("{:<58} {:>14} {:>10.2} {:>9.1}", r.what, r.bytes, r.secs * 1e3, r.gbps);
+        if r.what.starts_with("  ") {
+            // A ratio line: the ratio is in `gbps`.
+            println!("{:<72} {:>33.3}", r.what, r.gbps);
+        } else {
+            println!("{:<72} {:>14} {:>9.2} {:>8.1}", r.what, r.bytes, r.secs * 1e3, r.gbps);
+        }
     }
     if let Some(p) = &args.json {
         std::fs::write(p, serde_json::to_string_pretty(rows)?)?;

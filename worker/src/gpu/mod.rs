@@ -157,6 +157,7 @@ impl std::fmt::Debug for Gpu {
 struct Kernels {
     fill2d: sys::CUfunction,
     digest2d: sys::CUfunction,
+    digest_words: sys::CUfunction,
 }
 
 // SAFETY: CUfunction handles are plain driver handles, valid in every thread once the module is
@@ -250,7 +251,11 @@ impl Gpu {
                         result::module::get_function(module, CString::new(n).expect("name"))
                             .map_err(|e| GpuError::driver(format!("finding kernel {n}"), e))
                     };
-                    Ok(Kernels { fill2d: get("rlp_fill2d")?, digest2d: get("rlp_digest2d")? })
+                    Ok(Kernels {
+                        fill2d: get("rlp_fill2d")?,
+                        digest2d: get("rlp_digest2d")?,
+                        digest_words: get("rlp_digest_words")?,
+                    })
                 }
             })
             .clone()
@@ -307,6 +312,16 @@ impl Gpu {
         let k = self.kernels()?;
         let words = (rows * width).div_ceil(8);
         let blocks = words.div_ceil(256).clamp(1, 1024) as u32;
+        if (rows == 1 || pitch == width) && base % 8 == 0 {
+            // Contiguous and aligned: whole-word loads.
+            let mut args = [base, rows * width, out];
+            let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| a as *mut u64 as *mut c_void).collect();
+            // SAFETY: three u64 parameters, as the kernel declares; the region is contiguous.
+            return unsafe {
+                result::launch_kernel(k.digest_words, (blocks, 1, 1), (256, 1, 1), 0, stream.cu_stream(), &mut params)
+            }
+            .map_err(|e| GpuError::driver("launching rlp_digest_words", e));
+        }
         let mut args = [base, rows, width, pitch, out];
         let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| a as *mut u64 as *mut c_void).collect();
         // SAFETY: five u64 parameters, as the kernel declares.

@@ -152,10 +152,12 @@ impl Generation {
             anyhow::bail!("received weight version {} where the coordinator announced {version}", stats.version);
         }
         // Check every byte against the senders' digests (outside the timed refit).
+        let t = Instant::now();
         let mut digest = 0u64;
         for (pos, p) in self.plans.iter().enumerate() {
             digest = digest.wrapping_add(self.weights.digest(p, false, |i| segment_id(pos, i))?);
         }
+        let verify = secs(t);
         if digest != expected {
             anyhow::bail!(
                 "weights of version {version} do not match the trainer's digest ({digest:#018x} received, {expected:#018x} sent)"
@@ -166,7 +168,7 @@ impl Generation {
             self.metrics.weight_version(v);
         }
         Ok(Report {
-            busy_secs: busy,
+            busy_secs: busy + verify,
             bytes: stats.bytes,
             version: held,
             digest: Some(digest),
@@ -175,6 +177,7 @@ impl Generation {
                 ("unpack".to_string(), stats.unpack_secs),
                 ("wait".to_string(), stats.buffer_wait_secs),
                 ("total".to_string(), stats.total_secs),
+                ("verify".to_string(), verify),
             ]
             .into(),
             counters: [

@@ -273,9 +273,21 @@ pub async fn connect_sender(
         }
         (Kind::Nccl, Listener::Nccl(l)) => {
             let gpu = gpu.context("NCCL needs a GPU")?;
-            let t =
-                NcclTransport::root(&name, gpu, l, &receivers, &rplan.identity(), &plan.job.token, timeout, deadline)
-                    .await?;
+            // Sender k rotates the receivers by k, so forwarding spreads over them (see `root`);
+            // RLPLANE_NCCL_RING_ROTATION=off keeps one order, for comparison.
+            let rotation = if std::env::var("RLPLANE_NCCL_RING_ROTATION").is_ok_and(|v| v == "off") { 0 } else { pos };
+            let t = NcclTransport::root(
+                &name,
+                gpu,
+                l,
+                &receivers,
+                rotation,
+                &rplan.identity(),
+                &plan.job.token,
+                timeout,
+                deadline,
+            )
+            .await?;
             Sender::Nccl(Box::new(RefitSender::new(rplan, t, config)?))
         }
         (Kind::Ipc, _) => {

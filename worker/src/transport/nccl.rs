@@ -67,12 +67,18 @@ fn gpu_err(what: &str, e: GpuError) -> TransportError {
 impl NcclTransport {
     /// The sender's side: accepts `receivers` (by process name) on `listener`, gives each the
     /// communicator's unique id and its rank, and joins the communicator as rank 0.
+    ///
+    /// `rotation` rotates the receivers' ranks (and so NCCL's ring order: root → rank 1 → rank 2
+    /// ...). With several senders, sender `k` rotating by `k` makes each receiver the first hop
+    /// of a different sender's ring, so forwarding is spread over the receivers instead of the
+    /// first receiver forwarding every sender's bytes.
     #[allow(clippy::too_many_arguments)]
     pub async fn root(
         name: &str,
         gpu: &Gpu,
         listener: &TcpListener,
         receivers: &[String],
+        rotation: usize,
         identity: &PlanIdentity,
         token: &str,
         timeout: Duration,
@@ -103,7 +109,8 @@ impl NcclTransport {
                 tracing::warn!(error = %hello.unwrap_err(), "refused an NCCL rendezvous");
                 continue;
             };
-            let rank = receivers.iter().position(|r| r == &hello.peer).expect("checked") + 1;
+            let at = receivers.iter().position(|r| r == &hello.peer).expect("checked");
+            let rank = (at + receivers.len() - rotation % receivers.len()) % receivers.len() + 1;
             let mut msg = Vec::with_capacity(136);
             msg.extend_from_slice(&id.0);
             msg.extend_from_slice(&(rank as u32).to_le_bytes());
