@@ -312,7 +312,7 @@ impl Gpu {
         let k = self.kernels()?;
         let words = (rows * width).div_ceil(8);
         let blocks = words.div_ceil(256).clamp(1, 1024) as u32;
-        if (rows == 1 || pitch == width) && base % 8 == 0 {
+        if (rows == 1 || pitch == width) && base.is_multiple_of(8) {
             // Contiguous and aligned: whole-word loads.
             let mut args = [base, rows * width, out];
             let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| a as *mut u64 as *mut c_void).collect();
