@@ -221,6 +221,12 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
         c.err("spec.refit.alignBytes", format!("{} must be a power of two up to 1048576 (e.g. 256)", r.align_bytes));
     }
     c.range("spec.refit.timeoutSeconds", r.timeout_seconds, 1, 86400);
+    if spec.mode == Mode::Colocated && r.transport == RefitTransport::Nccl {
+        c.err(
+            "spec.refit.transport",
+            "Nccl cannot serve Colocated mode: a trainer rank and a generation rank share each GPU and NCCL puts one rank on a GPU; use CudaIpc or Auto",
+        );
+    }
     if spec.device == Device::Cpu && matches!(r.transport, RefitTransport::Nccl | RefitTransport::CudaIpc) {
         c.err("spec.refit.transport", format!("{:?} needs GPUs but spec.device is Cpu; use Tcp or Auto", r.transport));
     }

@@ -109,6 +109,8 @@ pub struct Report {
 /// A rank's message to the coordinator.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Reply {
+    /// The rank finished its set-up (rendezvous with its peers) and takes commands.
+    Ready,
     /// The command arrived (sent before executing it).
     Ack {
         /// Its sequence number.
@@ -275,6 +277,37 @@ impl ControlServer {
         &self.names
     }
 
+    /// Waits until every rank said it finished its set-up (peers' rendezvous, communicators), so
+    /// that no step's time includes start-up.
+    pub async fn wait_ready(&mut self, deadline: Instant) -> Result<(), ControlError> {
+        let mut ready = vec![false; self.names.len()];
+        while ready.iter().any(|r| !r) {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some(Event::Reply { rank, reply: Reply::Ready, .. })) => ready[rank] = true,
+                Ok(Some(Event::Reply { rank, reply, .. })) => {
+                    return Err(ControlError::Malformed {
+                        rank: self.names[rank].clone(),
+                        detail: format!("{reply:?} before Ready"),
+                    });
+                }
+                Ok(Some(Event::Lost { rank, reason })) => {
+                    return Err(ControlError::Lost { rank: self.names[rank].clone(), reason });
+                }
+                Ok(None) => return Err(ControlError::Missing("every rank".into())),
+                Err(_) => {
+                    let waiting: Vec<&str> =
+                        self.names.iter().zip(&ready).filter(|(_, r)| !**r).map(|(n, _)| n.as_str()).collect();
+                    return Err(ControlError::Timeout {
+                        command: "set-up".into(),
+                        waiting: waiting.join(", "),
+                        secs: 0.0,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Sends a command to a rank; returns its sequence number.
     pub async fn send(&mut self, rank: &str, command: Command) -> Result<u64, ControlError> {
         let i = *self.index.get(rank).ok_or_else(|| ControlError::Missing(rank.into()))?;
@@ -353,6 +386,7 @@ impl ControlServer {
                         reports.insert(self.names[rank].clone(), report);
                     }
                 }
+                Event::Reply { reply: Reply::Ready, .. } => {}
                 Event::Reply { rank, reply: Reply::Failed { seq, error }, .. } => {
                     let command = self.pending_cmd.remove(&(rank, seq)).unwrap_or("a command");
                     return Err(ControlError::RankFailed {
@@ -485,6 +519,7 @@ mod tests {
             let addr = addr.clone();
             tokio::spawn(async move {
                 let mut c = ControlClient::connect(&addr, "tok", &n, deadline).await.unwrap();
+                c.reply(&Reply::Ready).await.unwrap();
                 while let Some(env) = c.next().await.unwrap() {
                     if env.command == Command::Shutdown {
                         break;
@@ -500,6 +535,7 @@ mod tests {
             let _ = ControlClient::connect(&stale, "old-token", "gen-0", deadline).await;
         });
         let mut s = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        s.wait_ready(deadline).await.unwrap();
         for step in 0..20 {
             let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
             assert_eq!(r.len(), 2);

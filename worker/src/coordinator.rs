@@ -84,6 +84,11 @@ pub enum Progress {
         /// Phase name.
         phase: &'static str,
     },
+    /// The initial weights reached every engine.
+    InitialSync {
+        /// Seconds it took.
+        seconds: f64,
+    },
     /// A step finished.
     StepDone(StepRecord),
 }
@@ -101,6 +106,9 @@ impl Observer for LogObserver {
     fn progress(&self, event: Progress) {
         match event {
             Progress::Connected { ranks } => tracing::info!(ranks, "every rank connected"),
+            Progress::InitialSync { seconds } => {
+                tracing::info!(seconds = format!("{seconds:.3}"), "initial weights (version 0) loaded everywhere")
+            }
             Progress::Phase { step, phase } => tracing::debug!(step, phase, "phase"),
             Progress::StepDone(r) => tracing::info!(
                 step = r.step,
@@ -162,6 +170,8 @@ pub struct StepRecord {
 /// Everything a run measured.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RunRecord {
+    /// Seconds to load the initial weights (version 0) into every engine.
+    pub initial_sync_s: f64,
     /// Per step.
     pub steps: Vec<StepRecord>,
     /// Round trips of every command to its acknowledgment, microseconds.
@@ -195,11 +205,21 @@ pub async fn run(
     });
     controller.watch_units(Duration::from_secs(1));
 
-    let mut server = ControlServer::accept_all(&control, &ranks, &plan.job.token, Instant::now() + startup).await?;
+    let deadline = Instant::now() + startup;
+    let mut server = ControlServer::accept_all(&control, &ranks, &plan.job.token, deadline).await?;
+    server.wait_ready(deadline).await?;
     observer.progress(Progress::Connected { ranks: ranks.len() });
 
     let roles = Roles::of(plan);
     let mut record = RunRecord::default();
+    // The initial weights (version 0) reach every engine before the first step, as a job's first
+    // load does; it also keeps one-time costs (first NCCL use, opening IPC handles) out of step 1.
+    let t = Instant::now();
+    let seed = mix64(0);
+    let update = server.run(&roles.trainers, Command::Update { step: 0, seed }, Instant::now() + timeout).await?;
+    refit_phase(&mut server, &roles, 0, &update, timeout).await?;
+    record.initial_sync_s = t.elapsed().as_secs_f64();
+    observer.progress(Progress::InitialSync { seconds: record.initial_sync_s });
     for step in 1..=plan.workload.steps {
         // One trace per step, shared with the ranks' spans of the step (see crate::telemetry).
         let span = tracing::info_span!("step", step);
@@ -378,20 +398,7 @@ async fn run_step(
     // 4. Refit.
     observer.progress(Progress::Phase { step, phase: "refit" });
     let t = Instant::now();
-    let mut cmds = Vec::new();
-    for (senders, receivers) in &roles.refit_groups {
-        let mut expected = 0u64;
-        for s in senders {
-            expected = expected.wrapping_add(update[s].digest.unwrap_or(0));
-        }
-        for m in senders.iter().chain(receivers) {
-            cmds.push((m.clone(), Command::Refit { version: step as u64, expected }));
-        }
-    }
-    let refit = server
-        .run_each(cmds, Instant::now() + timeout)
-        .instrument(tracing::info_span!("refit", version = step))
-        .await?;
+    let refit = refit_phase(server, roles, step, &update, timeout).await?;
     let refit_wall = t.elapsed().as_secs_f64();
     control_s += (refit_wall - max_busy(&refit)).max(0.0);
     // The refit itself: the slowest rank's engine time (a sender's ends once every receiver
@@ -399,14 +406,6 @@ async fn run_step(
     rec.refit_s = max_phase(&refit, &["total"]);
     rec.verify_s = max_phase(&refit, &["verify"]);
     let receivers: Vec<&String> = roles.refit_groups.iter().flat_map(|(_, r)| r).collect();
-    for r in &receivers {
-        if refit[*r].version != Some(step as u64) {
-            return Err(CoordinatorError::Check {
-                step,
-                message: format!("{r} reports weight version {:?} after refit {step}", refit[*r].version),
-            });
-        }
-    }
     rec.refit_receivers = receivers.len() as u64;
     rec.refit_bytes_per_receiver = receivers.iter().map(|r| refit[*r].bytes).max().unwrap_or(0);
     for rep in refit.values() {
@@ -419,6 +418,38 @@ async fn run_step(
     rec.total_s = step_start.elapsed().as_secs_f64();
     tracing::debug!(seconds = rec.total_s, refit_s = rec.refit_s, "step finished");
     Ok(rec)
+}
+
+/// Moves weight version `version` (the senders' `update` reports carry their digests) to every
+/// generation rank, and checks each reports holding it.
+async fn refit_phase(
+    server: &mut ControlServer,
+    roles: &Roles,
+    version: u32,
+    update: &HashMap<String, Report>,
+    timeout: Duration,
+) -> Result<HashMap<String, Report>, CoordinatorError> {
+    let mut cmds = Vec::new();
+    for (senders, receivers) in &roles.refit_groups {
+        let mut expected = 0u64;
+        for s in senders {
+            expected = expected.wrapping_add(update[s].digest.unwrap_or(0));
+        }
+        for m in senders.iter().chain(receivers) {
+            cmds.push((m.clone(), Command::Refit { version: version as u64, expected }));
+        }
+    }
+    let refit =
+        server.run_each(cmds, Instant::now() + timeout).instrument(tracing::info_span!("refit", version)).await?;
+    for r in roles.refit_groups.iter().flat_map(|(_, r)| r) {
+        if refit[r].version != Some(version as u64) {
+            return Err(CoordinatorError::Check {
+                step: version,
+                message: format!("{r} reports weight version {:?} after refit {version}", refit[r].version),
+            });
+        }
+    }
+    Ok(refit)
 }
 
 /// Summary statistics of a run, for the table and `--json`.

@@ -368,6 +368,7 @@ impl<T: Transport> RefitSender<T> {
                     let segment = (bucket.segments.start + i) as u32;
                     let direct = config.staging == StagingPolicy::WhenNeeded
                         && seg.src_contiguous()
+                        && seg.bytes() >= t.transport.stage_below()
                         && t.transport.reaches(src.space);
                     if direct {
                         pieces.push(Piece { segment, region: src.sub(seg.src_offset, seg.bytes()) });
@@ -636,8 +637,10 @@ impl<T: Transport> StreamPart<'_, T> {
             for (i, seg) in plan.segments()[bucket.segments.clone()].iter().enumerate() {
                 let dst = regions[seg.tensor as usize].expect("checked against the plan");
                 let segment = (bucket.segments.start + i) as u32;
-                let direct =
-                    config.staging == StagingPolicy::WhenNeeded && seg.dst_contiguous() && t.reaches(dst.space);
+                let direct = config.staging == StagingPolicy::WhenNeeded
+                    && seg.dst_contiguous()
+                    && seg.bytes() >= t.stage_below()
+                    && t.reaches(dst.space);
                 if direct {
                     pieces.push(Piece { segment, region: dst.sub(seg.dst_offset, seg.bytes()) });
                     stats.direct_bytes += seg.bytes();

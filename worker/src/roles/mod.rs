@@ -53,6 +53,8 @@ fn command_step(command: &Command) -> Option<u32> {
 /// coordinator goes away. Each command runs in a span named after it, in its step's trace (the
 /// job `token` and the step derive it, see [`crate::telemetry`]).
 pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R, token: &str) -> anyhow::Result<()> {
+    // Set-up is done (the caller rendezvoused with its peers): take commands.
+    control.reply(&Reply::Ready).await?;
     while let Some(Envelope { seq, command, .. }) = control.next().await? {
         if command == Command::Shutdown {
             return Ok(());

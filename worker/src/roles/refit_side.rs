@@ -2,9 +2,12 @@
 //! sender or receiver over TCP, NCCL or CUDA IPC.
 //!
 //! Which transport a refit group uses follows `spec.refit.transport`, as resolved by the runner:
-//! `Tcp` keeps weights in host memory; `Nccl` and `CudaIpc` in GPU memory; `Auto` on GPUs picks
-//! CUDA IPC for a group whose members share a node (colocated, or one machine) — the copy engines
-//! measured faster than NCCL inside a node (docs/benchmarks.md) — and NCCL otherwise.
+//! `Tcp` keeps weights in host memory; `Nccl` and `CudaIpc` in GPU memory. `Auto` on GPUs follows
+//! what was measured on 4×H200 (docs/benchmarks.md): CUDA IPC for a group sharing one node with a
+//! single receiver per sender's bytes — colocated (one copy on the same GPU, 0.9 of a device
+//! copy) or one receiver (copy engines, 1.09× NCCL) — and NCCL for fan-out to several receivers,
+//! where its ring crosses each sender's link once (46 ms against 69 ms for 2 senders × 2
+//! receivers) and across nodes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,7 +44,9 @@ pub fn kind(plan: &WorkerPlan, group: &RefitGroup) -> Kind {
         RefitTransport::Nccl => Kind::Nccl,
         RefitTransport::CudaIpc => Kind::Ipc,
         RefitTransport::Auto if plan.device == rlplane_api::Device::Cpu => Kind::Tcp,
-        RefitTransport::Auto if group.same_node => Kind::Ipc,
+        // Colocated ranks share GPUs, which NCCL cannot put in one communicator.
+        RefitTransport::Auto if plan.mode == rlplane_api::Mode::Colocated => Kind::Ipc,
+        RefitTransport::Auto if group.same_node && group.receivers.len() == 1 => Kind::Ipc,
         RefitTransport::Auto => Kind::Nccl,
     }
 }

@@ -197,4 +197,74 @@ pub trait Transport: Send {
 
     /// Total time the copy engine spent copying (pack and unpack), for the phase timings.
     fn copy_busy(&self) -> Duration;
+
+    /// Segments smaller than this are staged even when they could move directly, so that the
+    /// transport can move a run of them as one span ([`coalesce`]): on GPUs each separate
+    /// broadcast or copy has a fixed cost that tiny tensors (norms, biases) do not repay. The
+    /// same on both sides of a stream, since both stage by the plan's sizes.
+    fn stage_below(&self) -> u64 {
+        0
+    }
+}
+
+/// The spans to move for a bucket's pieces: each piece alone, except that runs of consecutive
+/// segments all smaller than `below` (staged, so lying in order in one staging buffer) become one
+/// span from the run's first byte to its last, alignment padding included. Both sides of a stream
+/// derive the same spans from the same plan.
+pub fn coalesce(pieces: &[Piece], below: u64) -> Vec<Region> {
+    let mut out: Vec<Region> = Vec::with_capacity(pieces.len());
+    let mut run: Option<(Region, u32)> = None;
+    for p in pieces {
+        let small = p.region.len < below;
+        match &mut run {
+            Some((span, last))
+                if small
+                    && p.segment == *last + 1
+                    && p.region.space == span.space
+                    && p.region.addr >= span.addr + span.len =>
+            {
+                span.len = p.region.addr + p.region.len - span.addr;
+                *last = p.segment;
+            }
+            _ => {
+                if let Some((span, _)) = run.take() {
+                    out.push(span);
+                }
+                if small {
+                    run = Some((p.region, p.segment));
+                } else {
+                    out.push(p.region);
+                }
+            }
+        }
+    }
+    if let Some((span, _)) = run {
+        out.push(span);
+    }
+    out
+}
+
+#[cfg(test)]
+mod coalesce_tests {
+    use super::*;
+
+    fn piece(segment: u32, addr: u64, len: u64) -> Piece {
+        Piece { segment, region: Region { space: MemorySpace::Device { ordinal: 0 }, addr, len } }
+    }
+
+    #[test]
+    fn runs_of_small_consecutive_pieces_merge_and_large_ones_stay() {
+        let p = [
+            piece(0, 1000, 8),      // small
+            piece(1, 1256, 8),      // small, after padding
+            piece(2, 50_000, 4096), // large: alone
+            piece(3, 2000, 16),     // small, a new run
+            piece(5, 2300, 16),     // small but not consecutive: new run
+        ];
+        let spans = coalesce(&p, 1024);
+        let got: Vec<(u64, u64)> = spans.iter().map(|r| (r.addr, r.len)).collect();
+        assert_eq!(got, vec![(1000, 264), (50_000, 4096), (2000, 16), (2300, 16)]);
+        // Nothing merges below 1 byte.
+        assert_eq!(coalesce(&p, 0).len(), 5);
+    }
 }

@@ -7,9 +7,10 @@
 //! is the design measured at 0.996 of the raw broadcast ceiling in GPU-NOTES.md, against 0.90–0.92
 //! for the usual pack → broadcast → unpack.
 //!
-//! Broadcasts run on the transport's NCCL stream, pack/unpack copies on its copy stream; each
-//! stream waits on the other's last event, so no host wait is needed for ordering, and tickets are
-//! CUDA events. Rendezvous: the sender listens on its refit port, hands every receiver the unique
+//! Broadcasts run on the transport's NCCL stream, pack/unpack copies on its copy stream, and
+//! tickets are CUDA events. The two streams are not chained on the GPU: the engine already waits
+//! for a pack before submitting its bucket, for a bucket before unpacking it and for an unpack
+//! before reusing its buffer, and a GPU-side chain would also hold bucket k+1 behind bucket k. Rendezvous: the sender listens on its refit port, hands every receiver the unique
 //! id (after the token and plan-identity handshake) and that TCP connection then carries the
 //! version at `begin` and the receivers' confirmations at `end`. The communicator is non-blocking:
 //! every wait polls it and the event, and a deadline or a dead peer aborts it.
@@ -22,7 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
-use super::{Piece, Transport, TransportError};
+use super::{Piece, Transport, TransportError, coalesce};
 use crate::gpu::nccl::{Comm, UniqueId, group_end, group_start};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError, copy2d_async};
@@ -34,6 +35,9 @@ use crate::refit::plan::PlanIdentity;
 pub const MAGIC: [u8; 4] = *b"RNCL";
 const VERSION: u16 = 1;
 const DONE: u8 = 0xD0;
+/// Pieces smaller than this travel packed: a broadcast has a fixed cost of microseconds that
+/// norm and bias tensors of a few KiB do not repay.
+pub const SMALL_PIECE: u64 = 1 << 20;
 
 /// A completion: a CUDA event, and for copies the start event (to time the copy engine).
 pub struct NcclTicket {
@@ -49,8 +53,6 @@ pub struct NcclTransport {
     comm: Comm,
     nccl_stream: Arc<CudaStream>,
     copy_stream: Arc<CudaStream>,
-    last_nccl: Option<Arc<CudaEvent>>,
-    last_copy: Option<Arc<CudaEvent>>,
     /// Root: one connection per receiver; receiver: the connection to the root.
     peers: Vec<(String, TcpStream)>,
     /// Root: receivers whose confirmation arrived while the root still waited on its buckets.
@@ -197,8 +199,6 @@ impl NcclTransport {
             comm,
             nccl_stream,
             copy_stream,
-            last_nccl: None,
-            last_copy: None,
             confirmed: vec![false; peers.len()],
             peers,
             copy_busy: Duration::ZERO,
@@ -294,19 +294,13 @@ impl Transport for NcclTransport {
     unsafe fn submit(&mut self, _bucket: u32, pieces: &[Piece]) -> Result<NcclTicket, TransportError> {
         self.check_usable()?;
         self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
-        if let Some(e) = &self.last_copy {
-            // Packing copies of this bucket come first.
-            self.nccl_stream
-                .wait(e)
-                .map_err(|e| gpu_err("ordering the broadcast after packing", GpuError::driver("", e)))?;
-        }
         group_start().map_err(|e| gpu_err(&self.name, e))?;
         let mut failed = None;
-        for p in pieces {
-            // SAFETY: the engine keeps every piece's region valid until the ticket completes.
-            if let Err(e) =
-                unsafe { self.comm.broadcast(p.region.addr, p.region.addr, p.region.len, 0, &self.nccl_stream) }
-            {
+        // One broadcast per piece, runs of tiny ones merged into one (see `stage_below`).
+        for span in coalesce(pieces, SMALL_PIECE) {
+            // SAFETY: the engine keeps every piece's region valid until the ticket completes; a
+            // merged span lies in one staging buffer.
+            if let Err(e) = unsafe { self.comm.broadcast(span.addr, span.addr, span.len, 0, &self.nccl_stream) } {
                 failed = Some(e);
                 break;
             }
@@ -321,19 +315,12 @@ impl Transport for NcclTransport {
         }
         let ev = Arc::new(self.event()?);
         ev.record(&self.nccl_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
-        self.last_nccl = Some(ev.clone());
         Ok(NcclTicket { end: ev, start: None })
     }
 
     unsafe fn copy(&mut self, copies: &[Copy2d]) -> Result<NcclTicket, TransportError> {
         self.check_usable()?;
         self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
-        if let Some(e) = &self.last_nccl {
-            // Unpacking waits for the bytes to arrive.
-            self.copy_stream
-                .wait(e)
-                .map_err(|e| gpu_err("ordering an unpack after its broadcast", GpuError::driver("", e)))?;
-        }
         let start = self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?;
         start.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
         for c in copies {
@@ -345,7 +332,6 @@ impl Transport for NcclTransport {
         }
         let end = Arc::new(self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?);
         end.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
-        self.last_copy = Some(end.clone());
         Ok(NcclTicket { end, start: Some(start) })
     }
 
@@ -433,5 +419,9 @@ impl Transport for NcclTransport {
 
     fn copy_busy(&self) -> Duration {
         self.copy_busy
+    }
+
+    fn stage_below(&self) -> u64 {
+        SMALL_PIECE
     }
 }
