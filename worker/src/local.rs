@@ -465,6 +465,9 @@ impl Observer for Arc<Ui> {
     fn progress(&self, event: Progress) {
         match event {
             Progress::Connected { ranks } => self.line(format!("all {ranks} ranks connected")),
+            Progress::InitialSync { seconds } => {
+                self.line(format!("initial weights (version 0) loaded into every engine in {seconds:.3}s"))
+            }
             Progress::Phase { step, phase } => {
                 self.phases.lock().expect("phase lock").insert(step, phase);
                 if let Some((_, bar)) = &self.bars {
