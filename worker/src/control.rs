@@ -77,7 +77,7 @@ impl Command {
 pub struct Envelope {
     /// Sequence number, unique per connection.
     pub seq: u64,
-    /// Coordinator's send time (nanoseconds since its start), echoed in the ack.
+    /// Coordinator's send time ([`monotonic_ns`]), echoed in the ack.
     pub sent_ns: u64,
     /// The command.
     pub command: Command,
@@ -117,6 +117,10 @@ pub enum Reply {
         seq: u64,
         /// Its `sent_ns`, echoed.
         sent_ns: u64,
+        /// When the rank read the command ([`monotonic_ns`]); comparable with `sent_ns` only
+        /// when both run on one host.
+        #[serde(default)]
+        recv_ns: u64,
     },
     /// The command finished.
     Done {
@@ -187,7 +191,8 @@ pub enum ControlError {
 }
 
 enum Event {
-    Reply { rank: usize, reply: Reply, at: Instant },
+    /// A reply, with when it arrived ([`monotonic_ns`]).
+    Reply { rank: usize, reply: Reply, at_ns: u64 },
     Lost { rank: usize, reason: String },
 }
 
@@ -198,9 +203,11 @@ pub struct ControlServer {
     writers: Vec<OwnedWriteHalf>,
     events: mpsc::UnboundedReceiver<Event>,
     next_seq: u64,
-    epoch_start: Instant,
-    /// Round trips of every acknowledged command (the dispatch latency).
+    /// Round trips of every acknowledged command: send → the rank has it → its ack is back.
     pub dispatch: Vec<Duration>,
+    /// One way, send → the rank has it; meaningful only when the ranks share the coordinator's
+    /// host (one clock), as in `rlplane local`.
+    pub one_way: Vec<Duration>,
     pending_cmd: HashMap<(usize, u64), &'static str>,
     buf: Vec<u8>,
 }
@@ -265,8 +272,8 @@ impl ControlServer {
             writers,
             events,
             next_seq: 1,
-            epoch_start: Instant::now(),
             dispatch: Vec::new(),
+            one_way: Vec::new(),
             pending_cmd: HashMap::new(),
             buf: Vec::with_capacity(4096),
         })
@@ -314,7 +321,7 @@ impl ControlServer {
         let seq = self.next_seq;
         self.next_seq += 1;
         let name = command.name();
-        let env = Envelope { seq, sent_ns: self.epoch_start.elapsed().as_nanos() as u64, command };
+        let env = Envelope { seq, sent_ns: monotonic_ns(), command };
         self.buf.clear();
         serde_json::to_writer(&mut self.buf, &env).expect("commands serialize");
         net::write_frame(&mut self.writers[i], &self.buf)
@@ -375,9 +382,9 @@ impl ControlServer {
                 }
             };
             match ev {
-                Event::Reply { rank, reply: Reply::Ack { sent_ns, .. }, at } => {
-                    let now_ns = at.duration_since(self.epoch_start).as_nanos() as u64;
-                    self.dispatch.push(Duration::from_nanos(now_ns.saturating_sub(sent_ns)));
+                Event::Reply { rank, reply: Reply::Ack { sent_ns, recv_ns, .. }, at_ns, .. } => {
+                    self.dispatch.push(Duration::from_nanos(at_ns.saturating_sub(sent_ns)));
+                    self.one_way.push(Duration::from_nanos(recv_ns.saturating_sub(sent_ns)));
                     let _ = rank;
                 }
                 Event::Reply { rank, reply: Reply::Done { seq, report }, .. } => {
@@ -419,10 +426,10 @@ async fn read_replies(rank: usize, mut r: OwnedReadHalf, tx: mpsc::UnboundedSend
     loop {
         match net::read_frame(&mut r, &mut buf, net::MAX_FRAME).await {
             Ok(()) => {
-                let at = Instant::now();
+                let at_ns = monotonic_ns();
                 match serde_json::from_slice::<Reply>(&buf) {
                     Ok(reply) => {
-                        if tx.send(Event::Reply { rank, reply, at }).is_err() {
+                        if tx.send(Event::Reply { rank, reply, at_ns }).is_err() {
                             return;
                         }
                     }
@@ -479,7 +486,7 @@ impl ControlClient {
         }
         let env: Envelope = serde_json::from_slice(&self.buf)
             .map_err(|e| ControlError::Malformed { rank: "coordinator".into(), detail: e.to_string() })?;
-        self.reply(&Reply::Ack { seq: env.seq, sent_ns: env.sent_ns }).await?;
+        self.reply(&Reply::Ack { seq: env.seq, sent_ns: env.sent_ns, recv_ns: monotonic_ns() }).await?;
         Ok(Some(env))
     }
 
@@ -492,6 +499,17 @@ impl ControlClient {
             source: NetError::io("sending a reply", "coordinator", e),
         })
     }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of a host, so a command's send
+/// and receive times taken in two processes there can be subtracted.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec we own.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Percentile (0..=100) of a set of durations, in microseconds; 0 when empty.

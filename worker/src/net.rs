@@ -146,10 +146,20 @@ pub async fn bind(addr: &str, what: &str) -> Result<TcpListener, NetError> {
 /// Largest control frame accepted; bulk payloads are streamed, never framed whole.
 pub const MAX_FRAME: u32 = 64 << 20;
 
+/// Frames up to this size go out in one write (one segment with TCP_NODELAY, so one wake-up of
+/// the reader) rather than length and bytes separately.
+const SMALL_FRAME: usize = 64 << 10;
+
 /// Writes one frame: a little-endian u32 length, then the bytes.
 pub async fn write_frame<W: AsyncWriteExt + Unpin>(w: &mut W, payload: &[u8]) -> io::Result<()> {
     let len =
         u32::try_from(payload.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
+    if payload.len() <= SMALL_FRAME {
+        let mut buf = Vec::with_capacity(4 + payload.len());
+        buf.extend_from_slice(&len.to_le_bytes());
+        buf.extend_from_slice(payload);
+        return w.write_all(&buf).await;
+    }
     w.write_all(&len.to_le_bytes()).await?;
     w.write_all(payload).await
 }

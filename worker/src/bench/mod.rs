@@ -1,6 +1,7 @@
 //! Benchmarks: `rlplane bench refit` and `rlplane bench tq`. Each runs its peers as separate
 //! processes on loopback and prints ratios against a reference measured in the same run.
 
+pub mod control;
 pub mod gpu;
 pub mod refit;
 pub mod tq;
@@ -14,6 +15,8 @@ pub enum BenchCommand {
     Refit(refit::Args),
     /// Transfer-queue throughput and latency against a raw stream of the same bytes.
     Tq(tq::Args),
+    /// Control-plane dispatch latency against a raw TCP ping-pong between the same processes.
+    Control(control::Args),
 }
 
 /// Hidden entry points of the processes a benchmark or test spawns.
@@ -25,6 +28,8 @@ pub enum PeerCommand {
     Tq(tq::PeerArgs),
     /// A GPU refit peer process.
     Gpu(gpu::PeerArgs),
+    /// A control-plane peer process.
+    Control(control::PeerArgs),
 }
 
 /// Runs a benchmark.
@@ -32,6 +37,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Refit(a) => refit::run(a),
         BenchCommand::Tq(a) => tq::run(a),
+        BenchCommand::Control(a) => control::run(a),
     }
 }
 
@@ -41,5 +47,6 @@ pub fn run_peer(cmd: PeerCommand) -> anyhow::Result<()> {
         PeerCommand::Refit(a) => refit::run_peer(a),
         PeerCommand::Tq(a) => tq::run_peer(a),
         PeerCommand::Gpu(a) => gpu::run_peer(a),
+        PeerCommand::Control(a) => control::run_peer(a),
     }
 }
