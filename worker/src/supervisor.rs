@@ -104,6 +104,8 @@ pub struct Supervisor {
     ready_rx: mpsc::UnboundedReceiver<usize>,
     /// Children whose exit has not been reported yet.
     running: usize,
+    /// An exit received but not yet returned (see [`Supervisor::next_exit`]).
+    pending: Option<((usize, std::io::Result<ExitStatus>), tokio::time::Instant)>,
 }
 
 impl Supervisor {
@@ -111,7 +113,17 @@ impl Supervisor {
     pub fn new(sink: Arc<dyn OutputSink>) -> Self {
         let (exits, exit_rx) = mpsc::unbounded_channel();
         let (ready_tx, ready_rx) = mpsc::unbounded_channel();
-        Supervisor { slots: Vec::new(), roles: Vec::new(), sink, exits, exit_rx, ready_tx, ready_rx, running: 0 }
+        Supervisor {
+            slots: Vec::new(),
+            roles: Vec::new(),
+            sink,
+            exits,
+            exit_rx,
+            ready_tx,
+            ready_rx,
+            running: 0,
+            pending: None,
+        }
     }
 
     /// Number of children spawned.
@@ -241,20 +253,28 @@ impl Supervisor {
     }
 
     /// The next child exit (after [`Self::watch`]); `None` when every child has been reported.
+    ///
+    /// Cancel-safe: an exit received while the caller's `select!` picks another branch is kept
+    /// and returned by the next call.
     pub async fn next_exit(&mut self) -> Option<Exit> {
-        if self.running == 0 {
-            return None;
+        if self.pending.is_none() {
+            if self.running == 0 {
+                return None;
+            }
+            let e = self.exit_rx.recv().await?;
+            self.running -= 1;
+            self.pending = Some((e, tokio::time::Instant::now()));
         }
-        let e = self.exit_rx.recv().await?;
-        self.running -= 1;
-        // Give the output forwarders a moment to drain the last lines before reporting.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Give the output forwarders a moment to drain the child's last lines before reporting.
+        let since = self.pending.as_ref().map(|(_, at)| *at).expect("set above");
+        tokio::time::sleep_until(since + Duration::from_millis(50)).await;
+        let (e, _) = self.pending.take().expect("set above");
         Some(self.exit_of(e))
     }
 
     /// Children whose exit has not been reported yet.
     pub fn running(&self) -> usize {
-        self.running
+        self.running + usize::from(self.pending.is_some())
     }
 
     /// Stops every child still running: SIGTERM, then SIGKILL after `grace`. Returns the exits
@@ -263,12 +283,12 @@ impl Supervisor {
         self.signal_all(libc::SIGTERM);
         let mut exits = Vec::new();
         let deadline = tokio::time::Instant::now() + grace;
-        while self.running > 0 {
+        while self.running() > 0 {
             tokio::select! {
                 e = self.next_exit() => match e { Some(e) => exits.push(e), None => break },
                 _ = tokio::time::sleep_until(deadline) => {
                     self.signal_all(libc::SIGKILL);
-                    while self.running > 0 {
+                    while self.running() > 0 {
                         match tokio::time::timeout(Duration::from_secs(5), self.next_exit()).await {
                             Ok(Some(e)) => exits.push(e),
                             _ => break,
