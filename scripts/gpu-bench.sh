@@ -3,12 +3,12 @@
 # Usage: scripts/gpu-bench.sh DIR [STEP...]
 #   DIR holds the release `rlplane` binary and the `gpu-tests` executable (the path printed by
 #   `cargo test --release -p rlplane --test gpu --no-run`).
-#   STEPs (default: all): tests split auto colocated sharded local
+#   STEPs (default: all): tests split auto colocated sharded local control
 # Every step has its own time limit, so that one hang cannot eat the rest.
 set -u
 dir=${1:?usage: scripts/gpu-bench.sh DIR [STEP...]}
 shift
-steps=${*:-tests split auto colocated sharded local}
+steps=${*:-tests split auto colocated sharded local control}
 bin=$dir/rlplane
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,7 +30,14 @@ if want sharded && [ "$gpus" -ge 4 ]; then
   timeout 180 "$bin" bench refit --transport nccl --source sharded --tp 2 --receivers 2 $llama
 fi
 if want local && [ "$gpus" -ge 4 ]; then
-  step "the whole loop on 4 GPUs: rlplane local (Auto = CUDA IPC), then --transport nccl"
+  step "the whole loop on 4 GPUs, split: Auto (NCCL for 2 senders x 2 receivers), then CUDA IPC"
   timeout 150 "$bin" local manifests/rljob-gpu-4.yaml
-  timeout 150 "$bin" local manifests/rljob-gpu-4.yaml --transport nccl
+  timeout 150 "$bin" local manifests/rljob-gpu-4.yaml --transport cuda-ipc
+  step "the whole loop on 4 GPUs, colocated (CUDA IPC on each GPU)"
+  timeout 150 "$bin" local manifests/rljob-gpu-colocated-4.yaml
+fi
+if want control; then
+  step "control plane: dispatch latency against a raw TCP ping-pong"
+  timeout 60 "$bin" bench control --ranks 1 --commands 2000
+  timeout 60 "$bin" bench control --ranks 8 --commands 1000
 fi
