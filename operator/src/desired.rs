@@ -39,8 +39,12 @@ pub mod labels {
     pub const FIRST_RANK: &str = "rlplane.dev/first-rank";
     /// Set on the pod that runs the coordinator.
     pub const COORDINATOR: &str = "rlplane.dev/coordinator";
-    /// Kueue's queue label on an RLJob.
+    /// Kueue's queue label on an RLJob (and on its pods, for Kueue's pod-group integration).
     pub const KUEUE_QUEUE: &str = "kueue.x-k8s.io/queue-name";
+    /// Kueue's pod-group name label: pods of one group are admitted together.
+    pub const KUEUE_POD_GROUP: &str = "kueue.x-k8s.io/pod-group-name";
+    /// Kueue's annotation with the number of pods in the group.
+    pub const KUEUE_POD_GROUP_COUNT: &str = "kueue.x-k8s.io/pod-group-total-count";
 }
 
 /// Annotation on every pod: a hash of the pod-shaping part of the spec the pod was built from.
@@ -264,6 +268,21 @@ pub fn owner_reference(job: &RLJob) -> OwnerReference {
     }
 }
 
+/// The Kueue queue a job asks for: its `kueue.x-k8s.io/queue-name` label, else
+/// `spec.scheduling.queueName`.
+pub fn kueue_queue(job: &RLJob) -> Option<String> {
+    job.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(labels::KUEUE_QUEUE).cloned())
+        .or_else(|| job.spec.scheduling.queue_name.clone())
+}
+
+/// Name of a job epoch's Kueue pod group (one per epoch: a restarted gang is a new workload).
+pub fn kueue_pod_group_name(job: &str, epoch: u32) -> String {
+    format!("{job}-e{epoch}")
+}
+
 /// Name of the job's PodGroup.
 pub fn pod_group_name(job: &str) -> String {
     format!("{job}-gang")
@@ -357,6 +376,13 @@ fn pod(
         }
         GangScheduler::Volcano | GangScheduler::None => {}
     }
+    let kueue_queue = kueue_queue(job);
+    if let Some(q) = &kueue_queue {
+        // Kueue's plain-pod group integration: pods carrying the queue and a group name are held
+        // behind Kueue's scheduling gate and admitted together, as one workload of all the pods.
+        pod_labels.insert(labels::KUEUE_QUEUE.into(), q.clone());
+        pod_labels.insert(labels::KUEUE_POD_GROUP.into(), kueue_pod_group_name(job_name, epoch));
+    }
     let mut metadata = meta(entry.name.clone(), pod_labels);
     let mut annotations: BTreeMap<String, String> = BTreeMap::new();
     for t in &templates {
@@ -379,6 +405,9 @@ fn pod(
     }
     if spec.scheduling.gang == GangScheduler::Volcano {
         annotations.insert("scheduling.k8s.io/group-name".into(), pod_group_name(job_name));
+    }
+    if kueue_queue.is_some() {
+        annotations.insert(labels::KUEUE_POD_GROUP_COUNT.into(), plan.pods.len().to_string());
     }
     annotations.insert(
         "rlplane.dev/processes".into(),

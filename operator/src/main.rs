@@ -89,10 +89,14 @@ struct BenchArgs {
     keep: bool,
 }
 
+/// Accepts both clap's kebab-case and Kubernetes' own spelling (`IfNotPresent`).
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum PullPolicy {
+    #[value(alias = "Always")]
     Always,
+    #[value(alias = "IfNotPresent")]
     IfNotPresent,
+    #[value(alias = "Never")]
     Never,
 }
 

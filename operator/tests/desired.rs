@@ -253,3 +253,26 @@ fn the_spec_hash_follows_what_shapes_pods_and_ignores_the_run_policy() {
         assert_eq!(pod.metadata.annotations.as_ref().unwrap()[SPEC_HASH_ANNOTATION], base);
     }
 }
+
+#[test]
+fn a_queued_job_puts_its_pods_in_one_kueue_pod_group_per_epoch() {
+    use rlplane_operator::desired::labels::{KUEUE_POD_GROUP, KUEUE_POD_GROUP_COUNT, KUEUE_QUEUE};
+    let plain = desired(&job("rljob-split.yaml"), 0, &cfg()).unwrap();
+    assert!(plain.pods.iter().all(|p| !p.metadata.labels.as_ref().unwrap().contains_key(KUEUE_QUEUE)));
+
+    // Either the RLJob's own Kueue label or spec.scheduling.queueName names the queue.
+    let mut by_label = job("rljob-split.yaml");
+    by_label.metadata.labels = Some([(KUEUE_QUEUE.to_string(), "team-a".to_string())].into());
+    let mut by_spec = job("rljob-split.yaml");
+    by_spec.spec.scheduling.queue_name = Some("team-a".into());
+    for (j, epoch) in [(by_label, 0u32), (by_spec, 3)] {
+        let d = desired(&j, epoch, &cfg()).unwrap();
+        for pod in &d.pods {
+            let l = pod.metadata.labels.as_ref().unwrap();
+            assert_eq!(l[KUEUE_QUEUE], "team-a");
+            assert_eq!(l[KUEUE_POD_GROUP], format!("llama3-8b-split-e{epoch}"), "a new group per epoch");
+            let a = pod.metadata.annotations.as_ref().unwrap();
+            assert_eq!(a[KUEUE_POD_GROUP_COUNT], d.pods.len().to_string(), "the group is every pod");
+        }
+    }
+}
