@@ -10,8 +10,8 @@ pub mod spec;
 pub mod topology;
 pub mod validate;
 
+pub use manifest::{ManifestErrors, load_rljob};
 pub use model::{DType, ModelPreset, TensorSpec, TpSplit};
 pub use plan::{WorkerPlan, job_token};
 pub use spec::*;
 pub use validate::{FieldError, ValidationErrors, validate, validate_job};
-pub use manifest::{ManifestErrors, load_rljob};

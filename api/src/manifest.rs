@@ -14,7 +14,8 @@ pub struct ManifestErrors(pub Vec<String>);
 
 /// Parses and validates an RLJob manifest.
 pub fn load_rljob(text: &str) -> Result<RLJob, ManifestErrors> {
-    let value: Value = serde_saphyr::from_str(text).map_err(|e| ManifestErrors(vec![format!("not valid YAML: {e}")]))?;
+    let value: Value =
+        serde_saphyr::from_str(text).map_err(|e| ManifestErrors(vec![format!("not valid YAML: {e}")]))?;
     let mut errors = Vec::new();
     match (value.get("apiVersion").and_then(Value::as_str), value.get("kind").and_then(Value::as_str)) {
         (Some("rlplane.dev/v1alpha1"), Some("RLJob")) => {}

@@ -94,7 +94,8 @@ fn every_invalid_manifest_is_rejected_with_its_message() {
 #[test]
 fn validate_reports_every_error_at_once() {
     let text = std::fs::read_to_string(manifests_dir().join("rljob-cpu.yaml")).unwrap();
-    let bad = text.replace("numBuffers: 2", "numBuffers: 0").replace("min: 32", "min: 999").replace("data: 2}", "data: 5}");
+    let bad =
+        text.replace("numBuffers: 2", "numBuffers: 0").replace("min: 32", "min: 999").replace("data: 2}", "data: 5}");
     let err = load_rljob(&bad).unwrap_err().to_string();
     assert!(err.contains("spec.refit.numBuffers"), "{err}");
     assert!(err.contains("spec.workload.responseTokens"), "{err}");

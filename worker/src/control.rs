@@ -192,8 +192,15 @@ pub enum ControlError {
 
 enum Event {
     /// A reply, with when it arrived ([`monotonic_ns`]).
-    Reply { rank: usize, reply: Reply, at_ns: u64 },
-    Lost { rank: usize, reason: String },
+    Reply {
+        rank: usize,
+        reply: Reply,
+        at_ns: u64,
+    },
+    Lost {
+        rank: usize,
+        reason: String,
+    },
 }
 
 /// The coordinator's side: one connection per rank.

@@ -39,7 +39,10 @@ fn run_json(manifest: &Path, extra: &[&str]) -> serde_json::Value {
     assert!(o.status.success(), "rlplane local {} failed: {}\n{stderr}", manifest.display(), o.status);
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
-        stdout.contains("refit") && stdout.contains("transfer queue") && stdout.contains("dispatch") && stdout.contains("round trip"),
+        stdout.contains("refit")
+            && stdout.contains("transfer queue")
+            && stdout.contains("dispatch")
+            && stdout.contains("round trip"),
         "{stdout}"
     );
     serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
