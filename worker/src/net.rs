@@ -143,6 +143,39 @@ pub async fn bind(addr: &str, what: &str) -> Result<TcpListener, NetError> {
     })
 }
 
+/// Accepts connections on `listener` until it fails, handing each (tuned) to `handle` on its own
+/// task. Accept errors that say nothing about the listener (out of file descriptors, a peer that
+/// reset before it was accepted) are logged and retried shortly, so the connections that exist
+/// keep being served. `what` names the clients in logs and errors ("storage clients").
+pub async fn serve_connections<F, Fut>(listener: TcpListener, what: &str, handle: F) -> Result<(), NetError>
+where
+    F: Fn(TcpStream) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tune(&stream);
+                tokio::spawn(handle(stream));
+            }
+            Err(e) if is_transient_accept_error(&e) => {
+                tracing::warn!(error = %e, addr = %local, "accepting {what} failed; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(NetError::io(format!("accepting {what}"), local.as_str(), e)),
+        }
+    }
+}
+
+/// Accept errors that say nothing about the listener itself (too many open files, a peer that
+/// reset before it was accepted): a server keeps accepting after them.
+pub fn is_transient_accept_error(e: &io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(e.kind(), ConnectionAborted | ConnectionReset | Interrupted | WouldBlock)
+        || matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
+}
+
 /// Largest control frame accepted; bulk payloads are streamed, never framed whole.
 pub const MAX_FRAME: u32 = 64 << 20;
 

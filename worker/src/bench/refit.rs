@@ -581,9 +581,9 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
             }
             "raw" => {
                 let conn = raw.as_mut().context("no raw stream was set up (--raw-port)")?;
-                let bufs: Vec<&[u8]> = (0..source.len()).map(|i| source.tensor(i)).filter(|b| !b.is_empty()).collect();
+                let mut bufs: Vec<IoSlice<'_>> = (0..source.len()).map(|i| IoSlice::new(source.tensor(i))).collect();
                 let start = Instant::now();
-                write_all_vectored(conn, &bufs).await?;
+                crate::tq::codec::write_all_vectored(conn, &mut bufs).await?;
                 let mut ack = [0u8; 1];
                 conn.read_exact(&mut ack).await?;
                 let secs = start.elapsed().as_secs_f64();
@@ -684,7 +684,8 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
                     raw.as_mut().context("this receiver has no raw stream (--raw-port on the first receiver)")?;
                 let total = dest.total_bytes();
                 let start = Instant::now();
-                let mut bufs: Vec<&mut [u8]> = dest.tensors_mut().filter(|b| !b.is_empty()).collect();
+                let mut bufs: Vec<IoSliceMut<'_>> =
+                    dest.tensors_mut().filter(|b| !b.is_empty()).map(IoSliceMut::new).collect();
                 read_exact_vectored(conn, &mut bufs).await?;
                 conn.write_all(&[1]).await?;
                 emit(&PeerEvent {
@@ -704,62 +705,16 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
     Ok(())
 }
 
-/// Writes every buffer, in order, with vectored writes.
-async fn write_all_vectored(conn: &mut TcpStream, bufs: &[&[u8]]) -> std::io::Result<()> {
-    let mut first = 0;
-    let mut offset = 0;
-    while first < bufs.len() {
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(64);
-        iov.push(IoSlice::new(&bufs[first][offset..]));
-        iov.extend(bufs[first + 1..].iter().take(63).map(|b| IoSlice::new(b)));
-        let mut n = conn.write_vectored(&iov).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        while n > 0 {
-            let rest = bufs[first].len() - offset;
-            if n < rest {
-                offset += n;
-                n = 0;
-            } else {
-                n -= rest;
-                first += 1;
-                offset = 0;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Fills every buffer, in order, with vectored reads.
-async fn read_exact_vectored(conn: &mut TcpStream, bufs: &mut [&mut [u8]]) -> std::io::Result<()> {
-    let mut first = 0;
-    let mut offset = 0;
-    while first < bufs.len() {
+/// Fills every buffer, in order, with vectored reads (at most 64 slices a call).
+async fn read_exact_vectored(conn: &mut TcpStream, mut bufs: &mut [IoSliceMut<'_>]) -> std::io::Result<()> {
+    while !bufs.is_empty() {
         conn.readable().await?;
-        let r = {
-            let (head, tail) = bufs[first..].split_at_mut(1);
-            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(64);
-            iov.push(IoSliceMut::new(&mut head[0][offset..]));
-            iov.extend(tail.iter_mut().take(63).map(|b| IoSliceMut::new(b)));
-            conn.try_read_vectored(&mut iov)
-        };
-        let mut n = match r {
+        let window = bufs.len().min(64);
+        match conn.try_read_vectored(&mut bufs[..window]) {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),
-        };
-        while n > 0 {
-            let rest = bufs[first].len() - offset;
-            if n < rest {
-                offset += n;
-                n = 0;
-            } else {
-                n -= rest;
-                first += 1;
-                offset = 0;
-            }
         }
     }
     Ok(())

@@ -221,6 +221,28 @@ impl Gpu {
         self.ctx.new_event(Some(flags)).map_err(|e| GpuError::driver("creating an event", e))
     }
 
+    /// Enqueues `copies` on `stream` between two timing events, returned as (start, end), so
+    /// the caller can wait for them and read how long the copy engines were busy.
+    ///
+    /// # Safety
+    /// Every region must be valid device memory until `end` has completed.
+    pub unsafe fn copy_regions(
+        &self,
+        copies: &[crate::refit::memory::Copy2d],
+        stream: &CudaStream,
+    ) -> Result<(CudaEvent, CudaEvent), GpuError> {
+        self.bind()?;
+        let start = self.event(true)?;
+        start.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        for c in copies {
+            // SAFETY: forwarded to the caller.
+            unsafe { copy2d_async(c.dst.addr, c.dst_pitch, c.src.addr, c.src_pitch, c.width, c.rows, stream) }?;
+        }
+        let end = self.event(true)?;
+        end.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        Ok((start, end))
+    }
+
     /// Lets this GPU's context access `peer`'s memory directly (NVLink / PCIe P2P).
     pub fn enable_peer_access(&self, peer: &Gpu) -> Result<(), GpuError> {
         if peer.ordinal() == self.ordinal() {

@@ -7,7 +7,7 @@
 //!   tensors, check them against the senders' digests, and report the version it now holds.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use rlplane_api::TqPlacement;
@@ -19,7 +19,7 @@ use super::{Rank, announce_ready, secs, serve_commands};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::metrics::RankMetrics;
 use crate::refit::RefitPlan;
-use crate::tq::{ClientConfig, Column, PutOptions, StorageServer, StorageUnit, TqClient};
+use crate::tq::{ClientConfig, Column, PutOptions, TqClient};
 use crate::workload::{self, fields};
 
 struct Generation {
@@ -49,16 +49,9 @@ pub async fn run(
     let mut serving = None;
     if coords.producer && plan.transfer_queue.placement == TqPlacement::ProducerLocal {
         let unit = plan.storage_units.iter().find(|u| u.process == me).context("no storage unit for this producer")?;
-        let port = plan.process(me).ports.storage.context("the producer has no storage port in the plan")?;
-        let listener = crate::net::bind(&plan.bind_address(me, port), "the producer's storage unit").await?;
-        let storage = Arc::new(StorageUnit::new(unit.id, plan.transfer_queue.capacity_bytes));
-        let server = StorageServer::new(
-            storage.clone(),
-            &plan.job.token,
-            Duration::from_secs(plan.transfer_queue.put_timeout_seconds as u64),
-        );
-        serving = Some(tokio::spawn(server.serve(listener)));
-        metrics.storage_unit(storage.clone());
+        let (storage, task) =
+            super::storage::start_unit(plan, me, unit.id, &metrics, "the producer's storage unit").await?;
+        serving = Some(task);
         local_unit = Some(storage);
     }
     let group =

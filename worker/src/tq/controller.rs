@@ -18,7 +18,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::codec::{self, Body, CONTROLLER_MAGIC, ErrorCode, Header, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use super::column::{ABSENT, BatchMeta, FieldSpec, SampleMeta};
-use super::storage::is_transient_accept_error;
 use crate::net::{self, Hello, NetError};
 
 /// Most fields a partition may have (ready checks are one 64-bit mask test per sample).
@@ -615,27 +614,15 @@ impl TqController {
     /// Serves clients on `listener` until the listener fails. Each connection runs on its own
     /// task; a bad frame gets an error reply and closes only its own connection.
     pub async fn serve(self, listener: TcpListener) -> Result<(), NetError> {
-        let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
-        loop {
-            let stream = match listener.accept().await {
-                Ok((s, _)) => s,
-                // Out of file descriptors or a connection reset before accept: transient; keep
-                // serving the connections that exist and try again shortly.
-                Err(e) if is_transient_accept_error(&e) => {
-                    tracing::warn!(error = %e, addr = %local, "accepting controller clients failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-                Err(e) => return Err(NetError::io("accepting controller clients", local.as_str(), e)),
-            };
-            net::tune(&stream);
+        net::serve_connections(listener, "controller clients", move |stream| {
             let this = self.clone();
-            tokio::spawn(async move {
+            async move {
                 if let Err(e) = this.serve_connection(stream).await {
                     tracing::debug!(error = %e, "transfer-queue controller connection ended");
                 }
-            });
-        }
+            }
+        })
+        .await
     }
 
     async fn serve_connection(&self, mut stream: TcpStream) -> Result<(), NetError> {

@@ -380,27 +380,15 @@ impl StorageServer {
     /// Serves until the listener fails. One task per connection; requests on one connection are
     /// answered in order, so a client may pipeline them.
     pub async fn serve(self, listener: TcpListener) -> Result<(), NetError> {
-        let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
-        loop {
-            let stream = match listener.accept().await {
-                Ok((s, _)) => s,
-                // Out of file descriptors or a connection reset before accept: transient; keep
-                // serving the connections that exist and try again shortly.
-                Err(e) if is_transient_accept_error(&e) => {
-                    tracing::warn!(error = %e, addr = %local, "accepting storage clients failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-                Err(e) => return Err(NetError::io("accepting storage clients", local.as_str(), e)),
-            };
-            net::tune(&stream);
+        net::serve_connections(listener, "storage clients", move |stream| {
             let this = self.clone();
-            tokio::spawn(async move {
+            async move {
                 if let Err(e) = this.serve_connection(stream).await {
                     tracing::debug!(unit = this.unit.id, error = %e, "storage connection ended");
                 }
-            });
-        }
+            }
+        })
+        .await
     }
 
     async fn serve_connection(&self, mut stream: TcpStream) -> Result<(), NetError> {
@@ -547,14 +535,6 @@ impl StorageServer {
         }
         Ok(self.unit.commit(reservation, partition, keys, &columns).map(|bytes| Body::Stored { bytes }))
     }
-}
-
-/// Accept errors that say nothing about the listener itself (too many open files, a peer that
-/// reset before it was accepted): a server keeps accepting after them.
-pub(crate) fn is_transient_accept_error(e: &std::io::Error) -> bool {
-    use std::io::ErrorKind::*;
-    matches!(e.kind(), ConnectionAborted | ConnectionReset | Interrupted | WouldBlock)
-        || matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
 }
 
 fn read_err(peer: &str, e: ReadError) -> NetError {

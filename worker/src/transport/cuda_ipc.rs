@@ -28,9 +28,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use zeromq::{DealerSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
-use super::{Piece, Transport, TransportError, coalesce};
+use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::tensors::DeviceStaging;
-use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async, copy2d_async};
+use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async};
 use crate::refit::memory::{Copy2d, MemorySpace};
 use crate::refit::plan::{PlanIdentity, RefitPlan};
 
@@ -100,10 +100,6 @@ where
 
 fn msg(frames: Vec<Bytes>) -> ZmqMessage {
     ZmqMessage::try_from(frames).expect("at least one frame")
-}
-
-fn gpu_err(what: &str, e: GpuError) -> TransportError {
-    TransportError::Config(format!("{what}: {e}"))
 }
 
 /// The base and size of the allocation holding `ptr`.
@@ -662,18 +658,9 @@ impl Transport for IpcTransport {
 
     unsafe fn copy(&mut self, copies: &[Copy2d]) -> Result<IpcTicket, TransportError> {
         self.check_usable()?;
-        self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
-        let start = self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?;
-        start.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
-        for c in copies {
-            // SAFETY: regions valid until the ticket completes (engine contract).
-            unsafe {
-                copy2d_async(c.dst.addr, c.dst_pitch, c.src.addr, c.src_pitch, c.width, c.rows, &self.copy_stream)
-            }
+        // SAFETY: regions valid until the ticket completes (engine contract).
+        let (start, end) = unsafe { self.gpu.copy_regions(copies, &self.copy_stream) }
             .map_err(|e| gpu_err("a pack/unpack copy", e))?;
-        }
-        let end = self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?;
-        end.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
         Ok(IpcTicket::Copy { start, end })
     }
 

@@ -244,6 +244,11 @@ pub fn coalesce(pieces: &[Piece], below: u64) -> Vec<Region> {
     out
 }
 
+/// A GPU failure as a transport error, naming what was being done.
+fn gpu_err(what: &str, e: crate::gpu::GpuError) -> TransportError {
+    TransportError::Config(format!("{what}: {e}"))
+}
+
 #[cfg(test)]
 mod coalesce_tests {
     use super::*;

@@ -23,10 +23,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
-use super::{Piece, Transport, TransportError, coalesce};
+use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::nccl::{Comm, UniqueId, group_end, group_start};
 use crate::gpu::tensors::DeviceStaging;
-use crate::gpu::{Gpu, GpuError, copy2d_async};
+use crate::gpu::{Gpu, GpuError};
 use crate::net::{self, Hello};
 use crate::refit::memory::{Copy2d, MemorySpace};
 use crate::refit::plan::PlanIdentity;
@@ -60,10 +60,6 @@ pub struct NcclTransport {
     copy_busy: Duration,
     timeout: Duration,
     aborted: Option<String>,
-}
-
-fn gpu_err(what: &str, e: GpuError) -> TransportError {
-    TransportError::Config(format!("{what}: {e}"))
 }
 
 impl NcclTransport {
@@ -320,19 +316,10 @@ impl Transport for NcclTransport {
 
     unsafe fn copy(&mut self, copies: &[Copy2d]) -> Result<NcclTicket, TransportError> {
         self.check_usable()?;
-        self.gpu.bind().map_err(|e| gpu_err(&self.name, e))?;
-        let start = self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?;
-        start.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
-        for c in copies {
-            // SAFETY: regions valid until the ticket completes (engine contract).
-            unsafe {
-                copy2d_async(c.dst.addr, c.dst_pitch, c.src.addr, c.src_pitch, c.width, c.rows, &self.copy_stream)
-            }
+        // SAFETY: regions valid until the ticket completes (engine contract).
+        let (start, end) = unsafe { self.gpu.copy_regions(copies, &self.copy_stream) }
             .map_err(|e| gpu_err("a pack/unpack copy", e))?;
-        }
-        let end = Arc::new(self.gpu.event(true).map_err(|e| gpu_err(&self.name, e))?);
-        end.record(&self.copy_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
-        Ok(NcclTicket { end, start: Some(start) })
+        Ok(NcclTicket { end: Arc::new(end), start: Some(start) })
     }
 
     async fn wait(&mut self, ticket: NcclTicket, deadline: Instant) -> Result<(), TransportError> {
