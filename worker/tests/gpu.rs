@@ -60,7 +60,7 @@ fn args(model: ModelSpec) -> GpuBenchArgs {
 
 fn show(rows: &[rlplane::bench::gpu::Row]) {
     for r in rows {
-        eprintln!("  {:<70} {:>10.3} ms {:>8.1}", r.what, r.secs * 1e3, r.gbps);
+        eprintln!("{}", r.line());
     }
 }
 

@@ -168,6 +168,18 @@ pub struct Row {
     pub gbps: f64,
 }
 
+impl Row {
+    /// The row as one line of the results table. Ratio rows (indented, the ratio in `gbps`)
+    /// print only the ratio.
+    pub fn line(&self) -> String {
+        if self.what.starts_with("  ") {
+            format!("{:<72} {:>33.3}", self.what, self.gbps)
+        } else {
+            format!("{:<72} {:>14} {:>9.2} {:>8.1}", self.what, self.bytes, self.secs * 1e3, self.gbps)
+        }
+    }
+}
+
 struct Peer {
     name: String,
     child: Child,
@@ -224,12 +236,7 @@ pub fn run(args: GpuBenchArgs) -> anyhow::Result<()> {
 fn print_rows(args: &GpuBenchArgs, rows: &[Row]) -> anyhow::Result<()> {
     println!("{:<72} {:>14} {:>9} {:>8}", "measurement", "bytes/receiver", "ms", "GB/s");
     for r in rows {
-        if r.what.starts_with("  ") {
-            // A ratio line: the ratio is in `gbps`.
-            println!("{:<72} {:>33.3}", r.what, r.gbps);
-        } else {
-            println!("{:<72} {:>14} {:>9.2} {:>8.1}", r.what, r.bytes, r.secs * 1e3, r.gbps);
-        }
+        println!("{}", r.line());
     }
     if let Some(p) = &args.json {
         std::fs::write(p, serde_json::to_string_pretty(rows)?)?;
