@@ -374,7 +374,7 @@ async fn run_step(
     rec.get_s = max_phase(&leaders, &["fetch"]);
     let moved = max_phase(&leaders, &["fetch", "fanout", "writeback"]);
     let t = Instant::now();
-    let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.clone()).collect();
+    let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.to_string()).collect();
     tracing::info_span!("tq.ack")
         .in_scope(|| controller.ack(&partition, TRAINER_GROUP, claim.claim_id, &keys))
         .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;

@@ -45,8 +45,8 @@ fn other_messages() -> Vec<Vec<u8>> {
             key: "a".into(),
             unit: 0,
             tokens: 3,
-            rows: vec![3, 1],
-            tags: vec![("t".into(), "v".into())],
+            rows: [3, 1].into_iter().collect(),
+            tags: vec![("t".into(), "v".into())].into(),
         }],
     };
     let bodies = [

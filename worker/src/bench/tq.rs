@@ -381,7 +381,7 @@ pub fn batch_checksum(b: &Batch) -> String {
 }
 
 fn batch_sample_checksums(b: &Batch) -> BTreeMap<String, String> {
-    let keys: Vec<String> = b.meta.samples.iter().map(|s| s.key.clone()).collect();
+    let keys: Vec<String> = b.meta.samples.iter().map(|s| s.key.to_string()).collect();
     sample_checksums(&keys, &b.columns)
 }
 
@@ -494,7 +494,7 @@ async fn client_command(st: &mut ClientState, line: &str) -> anyhow::Result<Valu
             let t = Instant::now();
             let c = st.client.claim_min(arg(0, "partition")?, arg(1, "group")?, n, min, &req).await?;
             let secs = t.elapsed().as_secs_f64();
-            let keys: Vec<String> = c.meta.samples.iter().map(|s| s.key.clone()).collect();
+            let keys: Vec<String> = c.meta.samples.iter().map(|s| s.key.to_string()).collect();
             let v = json!({"ok": true, "claim_id": c.claim_id, "keys": keys, "secs": secs});
             st.meta = Some(c.meta.clone());
             st.claim = Some(c);
@@ -536,7 +536,7 @@ async fn client_command(st: &mut ClientState, line: &str) -> anyhow::Result<Valu
                 .map(|i| ids.sample_as::<i64>(i).map(|v| v.iter().map(|&x| (x % 1000) as f32 * -0.001).collect()))
                 .collect::<Result<_, _>>()?;
             let col = Column::ragged(field, &vals.iter().map(|v| v.as_slice()).collect::<Vec<_>>());
-            let keys: Vec<String> = b.meta.samples.iter().map(|s| s.key.clone()).collect();
+            let keys: Vec<String> = b.meta.samples.iter().map(|s| s.key.to_string()).collect();
             let sums = sample_checksums(&keys, std::slice::from_ref(&col));
             st.client.write_back(&b.meta, field, &col).await?;
             Ok(json!({"ok": true, "checksums": sums}))
@@ -1053,7 +1053,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         }
         let put_to_get = t0.elapsed().as_secs_f64();
         let raw_gbps = raw_stream(&mut sink, &sink_addr, get_bytes, &raw_buf).await?;
-        let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.clone()).collect();
+        let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.to_string()).collect();
         controller.ack(&part, "train", claim.claim_id, &keys)?;
         let mut rss_total = 0u64;
         let mut hwm_total = 0u64;
@@ -1103,11 +1103,11 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         schema: vec![crate::tq::FieldSpec::ragged("input_ids", crate::tq::DType::I64)],
         samples: (0..n)
             .map(|i| crate::tq::SampleMeta {
-                key: format!("{}_g{}", i / 8, i % 8),
+                key: format!("{}_g{}", i / 8, i % 8).into(),
                 unit: i % s,
                 tokens: 256 + i % 3840,
-                rows: vec![256 + i % 3840],
-                tags: vec![],
+                rows: smallvec::smallvec![256 + i % 3840],
+                tags: Default::default(),
             })
             .collect(),
     };

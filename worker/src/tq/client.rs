@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use super::TqError;
 use super::codec::{self, Block, Body, CONTROLLER_MAGIC, ErrorCode, Header, Outgoing, ReadError, WIRE_VERSION};
-use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleMeta};
+use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleMeta, SampleTags};
 use super::controller::{AckReport, Claim, ClearReport, connect_unit};
 use super::storage::StorageUnit;
 use crate::net::{self, Hello, NetError};
@@ -326,7 +326,7 @@ impl TqClient {
 
     /// Acknowledges every sample of a claim.
     pub async fn ack(&self, claim: &Claim) -> Result<AckReport, TqError> {
-        let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.clone()).collect();
+        let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.to_string()).collect();
         self.ack_keys(&claim.meta.partition, &claim.group, claim.claim_id, &keys).await
     }
 
@@ -453,11 +453,11 @@ impl TqClient {
             schema: columns.iter().map(|c| c.spec().clone()).collect(),
             samples: (0..keys.len())
                 .map(|i| SampleMeta {
-                    key: keys[i].clone(),
+                    key: keys[i].as_str().into(),
                     unit: units[i],
                     tokens: tokens[i],
                     rows: columns.iter().map(|c| c.rows(i)).collect(),
-                    tags: opts.tags.get(i).cloned().unwrap_or_default(),
+                    tags: opts.tags.get(i).map(|t| t.as_slice().into()).unwrap_or_default(),
                 })
                 .collect(),
         };
@@ -490,7 +490,7 @@ impl TqClient {
             return Err(TqError::input("write-back field name is empty", "name the field, e.g. `old_logprobs`"));
         }
         let column = column.clone().with_name(field);
-        let keys: Vec<String> = meta.samples.iter().map(|s| s.key.clone()).collect();
+        let keys: Vec<String> = meta.samples.iter().map(|s| s.key.to_string()).collect();
         let parts = group_by_unit(meta.samples.iter().map(|s| s.unit));
         self.store(&meta.partition, &keys, std::slice::from_ref(&column), &parts).await?;
         let reg = BatchMeta {
@@ -504,8 +504,8 @@ impl TqClient {
                     key: s.key.clone(),
                     unit: s.unit,
                     tokens: s.tokens,
-                    rows: vec![column.rows(i)],
-                    tags: vec![],
+                    rows: smallvec::smallvec![column.rows(i)],
+                    tags: SampleTags::default(),
                 })
                 .collect(),
         };
@@ -707,7 +707,7 @@ impl TqClient {
         row_bytes: &[u64],
         mut regions: Vec<&mut [u8]>,
     ) -> Result<(), TqError> {
-        let keys: Vec<String> = part.idx.iter().map(|&i| meta.samples[i].key.clone()).collect();
+        let keys: Vec<String> = part.idx.iter().map(|&i| meta.samples[i].key.to_string()).collect();
         let field_names: Vec<String> = fields.iter().map(|s| s.to_string()).collect();
         if let Some(unit) = self.local_unit(part.unit) {
             let got = unit.get(&meta.partition, &keys, &field_names).map_err(|e| {
@@ -751,7 +751,7 @@ impl TqClient {
                     self.header(),
                     Body::Get {
                         partition: meta.partition.clone(),
-                        keys: chunk.iter().map(|&i| meta.samples[i].key.clone()).collect(),
+                        keys: chunk.iter().map(|&i| meta.samples[i].key.to_string()).collect(),
                         fields: field_names.clone(),
                     },
                 )

@@ -18,7 +18,7 @@ use std::io::IoSlice;
 
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleMeta};
+use super::column::{ABSENT, BatchMeta, DType, FieldRows, FieldSpec, SampleKey, SampleMeta, SampleTags};
 
 /// Version of the wire format; carried by every message. A peer of another version is refused.
 pub const WIRE_VERSION: u16 = 1;
@@ -362,7 +362,7 @@ impl Writer {
                 self.u32(s.rows.get(i).copied().unwrap_or(ABSENT));
             }
             self.u32(s.tags.len() as u32);
-            for (k, v) in &s.tags {
+            for (k, v) in s.tags.iter() {
                 self.str(k);
                 self.str(v);
             }
@@ -484,10 +484,14 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
     }
     fn str(&mut self, what: &str) -> Result<String, CodecError> {
+        self.str_ref(what).map(str::to_owned)
+    }
+    /// A string borrowed from the frame (the caller picks the owned form it keeps).
+    fn str_ref(&mut self, what: &str) -> Result<&'a str, CodecError> {
         let n = self.u32(what)? as usize;
         let at = self.pos;
         let b = self.take(n, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| CodecError { offset: at, what: format!("{what} is not UTF-8") })
+        std::str::from_utf8(b).map_err(|_| CodecError { offset: at, what: format!("{what} is not UTF-8") })
     }
     /// A count of items each at least `min_size` bytes, refused if the frame cannot hold them.
     fn count(&mut self, min_size: usize, what: &str) -> Result<usize, CodecError> {
@@ -531,13 +535,20 @@ impl<'a> Reader<'a> {
         let ns = self.count(min_sample, "samples")?;
         let mut samples = Vec::with_capacity(ns);
         for _ in 0..ns {
-            let key = self.str("sample key")?;
+            // Straight from the frame into the shared key: one allocation per sample.
+            let key = SampleKey::from(self.str_ref("sample key")?);
             let unit = self.u32("unit")?;
             let tokens = self.u32("tokens")?;
-            let rows = (0..nf).map(|_| self.u32("rows")).collect::<Result<Vec<_>, _>>()?;
+            let rows = (0..nf).map(|_| self.u32("rows")).collect::<Result<FieldRows, _>>()?;
             let nt = self.count(8, "tags")?;
-            let tags =
-                (0..nt).map(|_| Ok((self.str("tag name")?, self.str("tag value")?))).collect::<Result<Vec<_>, _>>()?;
+            // No tags: the shared empty slice, no allocation.
+            let tags = if nt == 0 {
+                SampleTags::default()
+            } else {
+                (0..nt)
+                    .map(|_| Ok((self.str("tag name")?, self.str("tag value")?)))
+                    .collect::<Result<SampleTags, _>>()?
+            };
             samples.push(SampleMeta { key, unit, tokens, rows, tags });
         }
         Ok(BatchMeta { partition, schema, samples })
@@ -903,13 +914,19 @@ mod tests {
             partition: "step-1".into(),
             schema: vec![FieldSpec::ragged("ids", DType::I64), FieldSpec::fixed("reward", DType::F32, vec![])],
             samples: vec![
-                SampleMeta { key: "a_g0".into(), unit: 0, tokens: 5, rows: vec![5, 1], tags: vec![] },
+                SampleMeta {
+                    key: "a_g0".into(),
+                    unit: 0,
+                    tokens: 5,
+                    rows: smallvec::smallvec![5, 1],
+                    tags: Default::default(),
+                },
                 SampleMeta {
                     key: "a_g1".into(),
                     unit: 1,
                     tokens: 2,
-                    rows: vec![2, ABSENT],
-                    tags: vec![("uid".into(), "a".into())],
+                    rows: smallvec::smallvec![2, ABSENT],
+                    tags: vec![("uid".into(), "a".into())].into(),
                 },
             ],
         }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::codec::{self, Body, CONTROLLER_MAGIC, ErrorCode, Header, ReadError, STORAGE_MAGIC, WIRE_VERSION};
-use super::column::{ABSENT, BatchMeta, FieldSpec, SampleMeta};
+use super::column::{ABSENT, BatchMeta, FieldRows, FieldSpec, SampleKey, SampleMeta, SampleTags};
 use crate::net::{self, Hello, NetError};
 
 /// Most fields a partition may have (ready checks are one 64-bit mask test per sample).
@@ -127,12 +127,12 @@ pub struct PartitionStatus {
 
 #[derive(Debug)]
 struct Sample {
-    key: String,
+    key: SampleKey,
     unit: u32,
     tokens: u32,
-    rows: Vec<u32>,
+    rows: FieldRows,
     present: u64,
-    tags: Vec<(String, String)>,
+    tags: SampleTags,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -153,7 +153,7 @@ struct Group {
 struct Partition {
     schema: Vec<FieldSpec>,
     samples: Vec<Sample>,
-    by_key: HashMap<String, usize>,
+    by_key: HashMap<SampleKey, usize>,
     groups: HashMap<String, Group>,
     units: BTreeSet<u32>,
     lost: Option<(u32, String)>,
@@ -268,7 +268,7 @@ impl Controller {
         }
         let mut seen = BTreeSet::new();
         for s in &meta.samples {
-            if !seen.insert(s.key.as_str()) {
+            if !seen.insert(&*s.key) {
                 return Err(ControllerError::BadRequest(format!("key `{}` appears twice in one request", s.key)));
             }
             if let Some(&i) = part.by_key.get(&s.key)
@@ -291,9 +291,9 @@ impl Controller {
                         key: s.key.clone(),
                         unit: s.unit,
                         tokens: s.tokens,
-                        rows: Vec::new(),
+                        rows: FieldRows::new(),
                         present: 0,
-                        tags: Vec::new(),
+                        tags: SampleTags::default(),
                     });
                     part.by_key.insert(s.key.clone(), part.samples.len() - 1);
                     part.units.insert(s.unit);
@@ -312,11 +312,15 @@ impl Controller {
                 sample.rows[idx] = rows;
                 sample.present |= 1 << idx;
             }
-            for (k, v) in &s.tags {
-                match sample.tags.iter_mut().find(|(k2, _)| k2 == k) {
-                    Some(t) => t.1 = v.clone(),
-                    None => sample.tags.push((k.clone(), v.clone())),
+            if !s.tags.is_empty() {
+                let mut tags = sample.tags.to_vec();
+                for (k, v) in s.tags.iter() {
+                    match tags.iter_mut().find(|(k2, _)| k2 == k) {
+                        Some(t) => t.1 = v.clone(),
+                        None => tags.push((k.clone(), v.clone())),
+                    }
                 }
+                sample.tags = tags.into();
             }
         }
         Ok(())
@@ -404,7 +408,7 @@ impl Controller {
         })?;
         let mut idx = Vec::with_capacity(keys.len());
         for k in keys {
-            match part.by_key.get(k) {
+            match part.by_key.get(k.as_str()) {
                 Some(&i) if i < g.slots.len() => idx.push(i),
                 _ => {
                     return Err(ControllerError::NotFound(format!(
@@ -421,7 +425,7 @@ impl Controller {
                     report.acked += 1;
                 }
                 Slot::Acked => {}
-                _ => report.stale.push(part.samples[i].key.clone()),
+                _ => report.stale.push(part.samples[i].key.to_string()),
             }
         }
         while g.first_open < g.slots.len() && matches!(g.slots[g.first_open], Slot::Acked) {
@@ -828,7 +832,13 @@ mod tests {
             partition: partition.into(),
             schema: vec![FieldSpec::ragged("ids", DType::I64)],
             samples: keys
-                .map(|i| SampleMeta { key: format!("k{i}"), unit, tokens: i + 1, rows: vec![i + 1], tags: vec![] })
+                .map(|i| SampleMeta {
+                    key: format!("k{i}").into(),
+                    unit,
+                    tokens: i + 1,
+                    rows: smallvec::smallvec![i + 1],
+                    tags: Default::default(),
+                })
                 .collect(),
         }
     }
@@ -870,12 +880,18 @@ mod tests {
         let wb = BatchMeta {
             partition: "p".into(),
             schema: vec![FieldSpec::ragged("old_logprobs", DType::F32)],
-            samples: vec![SampleMeta { key: "k1".into(), unit: 0, tokens: 0, rows: vec![2], tags: vec![] }],
+            samples: vec![SampleMeta {
+                key: "k1".into(),
+                unit: 0,
+                tokens: 0,
+                rows: smallvec::smallvec![2],
+                tags: Default::default(),
+            }],
         };
         c.register(&wb).unwrap();
         let got = c.claim("p", "g", 10, 0, &["ids".into(), "old_logprobs".into()], now).unwrap();
         assert_eq!(got.meta.keys(), vec!["k1"]);
-        assert_eq!(got.meta.samples[0].rows, vec![2, 2]);
+        assert_eq!(got.meta.samples[0].rows.as_slice(), [2, 2]);
         assert_eq!(got.meta.samples[0].tokens, 2, "a write-back keeps the sample's tokens");
     }
 
@@ -907,19 +923,18 @@ mod tests {
     }
 
     #[test]
-    fn claim_of_a_4096_sample_partition_is_fast() {
+    fn every_group_claims_a_whole_4096_sample_partition_at_once() {
+        // The coordinator claims a whole step in one call; its latency is measured by
+        // `rlplane bench tq` (claim_all), not here.
         let mut c = Controller::new(Duration::from_secs(10));
         c.register(&meta("p", 0, 0..4096)).unwrap();
-        let mut times = Vec::new();
-        for round in 0..50 {
+        for round in 0..3 {
             let group = format!("g{round}");
-            let t = Instant::now();
-            let got = c.claim("p", &group, 4096, 0, &req("ids"), Instant::now()).unwrap();
-            times.push(t.elapsed());
-            assert_eq!(got.meta.samples.len(), 4096);
+            let got = c.claim("p", &group, 4096, 4096, &req("ids"), Instant::now()).unwrap();
+            let keys = got.meta.keys();
+            assert_eq!(keys.len(), 4096);
+            assert_eq!(keys.iter().collect::<BTreeSet<_>>().len(), 4096, "every sample once");
+            assert!(c.claim("p", &group, 4096, 0, &req("ids"), Instant::now()).unwrap().meta.samples.is_empty());
         }
-        times.sort();
-        // Debug build, shared 2-core machine: a loose bound; the benchmark measures release.
-        assert!(times[times.len() / 2] < Duration::from_millis(50), "{:?}", times[times.len() / 2]);
     }
 }

@@ -22,7 +22,9 @@ pub mod storage;
 
 pub use assign::{Assignment, assign};
 pub use client::{ClientConfig, PutOptions, PutReport, TqClient, WriteRole};
-pub use column::{ABSENT, Batch, BatchMeta, Column, DType, Element, FieldSpec, SampleMeta};
+pub use column::{
+    ABSENT, Batch, BatchMeta, Column, DType, Element, FieldRows, FieldSpec, SampleKey, SampleMeta, SampleTags,
+};
 pub use controller::{Claim, ControllerConfig, TqController};
 pub use storage::{StorageServer, StorageUnit};
 
