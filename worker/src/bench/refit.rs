@@ -112,21 +112,12 @@ pub struct Args {
     /// Trainer pipeline-parallel size (sharded source).
     #[arg(long, default_value_t = 1)]
     pub pp: u32,
-    /// When to stage through buffers.
-    #[arg(long, value_enum, default_value = "when-needed")]
-    pub staging: StagingArg,
-    /// Bytes a relay receives before forwarding them.
-    #[arg(long, default_value_t = 1 << 20)]
-    pub relay_chunk_bytes: u64,
-    /// Relay children per node (1 = chain).
-    #[arg(long, default_value_t = 1)]
-    pub fanout: u32,
+    /// Stream settings, passed on to every peer.
+    #[command(flatten)]
+    pub stream: StreamKnobs,
     /// spec.refit.timeoutSeconds.
     #[arg(long, default_value_t = 120)]
     pub timeout_seconds: u32,
-    /// Seed of the random weights.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -147,6 +138,23 @@ pub struct PeerArgs {
     /// This process's name in the plan (`trainer-0`, `gen-2`).
     #[arg(long)]
     pub process: String,
+    /// Stream settings (the benchmark's).
+    #[command(flatten)]
+    pub stream: StreamKnobs,
+    /// Loopback port of the raw reference stream (the first receiver listens, the sender connects).
+    #[arg(long)]
+    pub raw_port: Option<u16>,
+    /// Test hook: sleep this long before every wait on the transport (a slow peer).
+    #[arg(long, default_value_t = 0)]
+    pub slow_ms: u64,
+    /// Test hook: compute the plan with this bucket size instead of the plan's (a mismatched rank).
+    #[arg(long)]
+    pub skew_bucket_bytes: Option<u64>,
+}
+
+/// Stream settings that the benchmark and its peers share: the peers get the benchmark's.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StreamKnobs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -159,15 +167,6 @@ pub struct PeerArgs {
     /// Relay children per node (1 = chain).
     #[arg(long, default_value_t = 1)]
     pub fanout: u32,
-    /// Loopback port of the raw reference stream (the first receiver listens, the sender connects).
-    #[arg(long)]
-    pub raw_port: Option<u16>,
-    /// Test hook: sleep this long before every wait on the transport (a slow peer).
-    #[arg(long, default_value_t = 0)]
-    pub slow_ms: u64,
-    /// Test hook: compute the plan with this bucket size instead of the plan's (a mismatched rank).
-    #[arg(long)]
-    pub skew_bucket_bytes: Option<u64>,
 }
 
 /// One line a peer prints on stdout.
@@ -481,10 +480,10 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         .cloned()
         .cloned()
         .with_context(|| format!("process {} is in no refit group", args.process))?;
-    let options = TcpOptions { relay_chunk_bytes: args.relay_chunk_bytes, fanout: args.fanout };
+    let options = TcpOptions { relay_chunk_bytes: args.stream.relay_chunk_bytes, fanout: args.stream.fanout };
     let streams = refit::group_streams(&wp, &group, &options)?;
     let mut config = StreamConfig::from_spec(&wp.refit);
-    config.staging = args.staging.into();
+    config.staging = args.stream.staging.into();
     let setup = PeerSetup {
         manifest: wp.manifest(),
         name: args.process.clone(),
@@ -546,7 +545,7 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
                         continue;
                     }
                     full.resize(t.size_bytes() as usize, 0);
-                    fill_tensor(args.seed, version, i, &mut full);
+                    fill_tensor(args.stream.seed, version, i, &mut full);
                     match layout {
                         SenderLayout::Full => source.tensor_mut(i).copy_from_slice(&full),
                         SenderLayout::Sharded(c) => {
@@ -660,7 +659,7 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
                         e.version = Some(version);
                         for (i, t) in s.manifest.iter().enumerate() {
                             expected.resize(t.size_bytes() as usize, 0);
-                            fill_tensor(args.seed, version, i, &mut expected);
+                            fill_tensor(args.stream.seed, version, i, &mut expected);
                             let want = xxhash_rust::xxh3::xxh3_64(&expected);
                             if xxhash_rust::xxh3::xxh3_64(dest.tensor(i)) != want {
                                 e.mismatched.push(t.name.clone());
@@ -1140,9 +1139,9 @@ async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
     o.bucket_bytes = args.bucket_bytes;
     o.align_bytes = args.align_bytes;
     o.timeout_seconds = args.timeout_seconds;
-    o.staging = args.staging;
-    o.tcp = TcpOptions { relay_chunk_bytes: args.relay_chunk_bytes, fanout: args.fanout };
-    o.seed = args.seed;
+    o.staging = args.stream.staging;
+    o.tcp = TcpOptions { relay_chunk_bytes: args.stream.relay_chunk_bytes, fanout: args.stream.fanout };
+    o.seed = args.stream.seed;
     (o.source, o.tp, o.pp) = match args.source {
         SourceArg::Gathered => (RefitSource::Gathered, 1, 1),
         SourceArg::Sharded => (RefitSource::Sharded, args.tp, args.pp),
