@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -43,9 +44,22 @@ RATE_INTERVAL = "15s"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the ephemeral range (as `rlplane::net::reserve_loopback_port`):
+    a port from that range can be taken by any outgoing connection before the server binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_start = 0
+    candidates = [random.randrange(10_000, ephemeral_start) for _ in range(256)] if ephemeral_start > 12_000 else []
+    for port in candidates + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free loopback port")
 
 
 def http_json(url: str, timeout: float = 10) -> dict:

@@ -127,7 +127,7 @@ impl Addressing for LocalAddressing {
         self.dir.join(pod).display().to_string()
     }
     fn port(&self, _pod: &str, _base: u16, _offset: u32) -> u16 {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+        let l = crate::net::reserve_loopback_port().expect("a free loopback port");
         let port = l.local_addr().expect("a bound address").port();
         self.held.lock().expect("port lock").push(l);
         port
@@ -330,17 +330,12 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
     let record = match outcome {
         Ok(x) => x,
         Err(Failure::Coordinator(e)) => {
-            // The coordinator often notices a dead rank first (its connection drops); the
-            // supervisor knows its role and rank and how it died. Prefer that.
-            let exit = match e.rank() {
-                Some(rank) => {
-                    tokio::time::timeout(Duration::from_secs(2), exit_of(&mut sup, rank)).await.ok().flatten()
-                }
-                None => None,
-            };
-            let why = match exit {
-                Some(exit) if !exit.success() => anyhow::anyhow!("{}\n(coordinator: {e})", exit.describe()),
-                _ => e.into(),
+            // The coordinator often notices a dead rank first, and not always through that
+            // rank: its connection drops, or a peer reports a refit that broke off. The
+            // supervisor knows which rank died, its role and how. Prefer that.
+            let why = match blame(&mut sup, e.rank(), Duration::from_secs(2)).await {
+                Some(exit) => anyhow::anyhow!("{}\n(coordinator: {e})", exit.describe()),
+                None => e.into(),
             };
             sup.stop(Duration::from_secs(5)).await;
             let _ = std::fs::remove_dir_all(&scratch);
@@ -387,13 +382,36 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
 }
 
 /// The exit of the child named `name`, skipping others.
-async fn exit_of(sup: &mut Supervisor, name: &str) -> Option<crate::supervisor::Exit> {
-    while let Some(e) = sup.next_exit().await {
-        if e.name == name {
-            return Some(e);
+/// The rank to blame for a failed coordinator, among the ranks that end abnormally within
+/// `grace`. The order in which the supervisor sees exits is not the order of death, and a dead
+/// rank takes others down with it (their peer or the control channel closes), so: a rank ended
+/// by a signal (killed, crashed) is the cause; else the rank the coordinator named; else the
+/// first failure seen.
+async fn blame(sup: &mut Supervisor, named: Option<&str>, grace: Duration) -> Option<crate::supervisor::Exit> {
+    let deadline = tokio::time::Instant::now() + grace;
+    let mut settle_until = None;
+    let mut failed = Vec::new();
+    loop {
+        let until = settle_until.unwrap_or(deadline).min(deadline);
+        match tokio::time::timeout_at(until, sup.next_exit()).await {
+            Ok(Some(e)) if !e.success() => {
+                // Once the named rank's exit (or, with none named, the first failure) is in,
+                // give the others a moment to be seen too.
+                if settle_until.is_none() && named.is_none_or(|n| n == e.name) {
+                    settle_until = Some(tokio::time::Instant::now() + Duration::from_millis(300));
+                }
+                failed.push(e);
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
         }
     }
-    None
+    let pick = failed
+        .iter()
+        .position(|e| e.signaled())
+        .or_else(|| failed.iter().position(|e| Some(e.name.as_str()) == named))
+        .unwrap_or(0);
+    (pick < failed.len()).then(|| failed.swap_remove(pick))
 }
 
 fn tempdir(name: &str) -> anyhow::Result<PathBuf> {

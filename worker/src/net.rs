@@ -168,6 +168,29 @@ where
     }
 }
 
+/// Reserves a loopback port for a service that a process started later will bind: a listener
+/// holding it, to be dropped just before that process binds (holding it keeps two services of
+/// one plan from getting the same port).
+///
+/// The port is taken below the system's ephemeral range where the system says where that is
+/// (`ip_local_port_range`): a port from that range — what binding port 0 gives — can be grabbed
+/// by any outgoing connection between the drop and the bind, and a starting job opens many.
+pub fn reserve_loopback_port() -> io::Result<std::net::TcpListener> {
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(0);
+    if ephemeral_start > 12_000 {
+        for _ in 0..256 {
+            let port = rand::random_range(10_000..ephemeral_start);
+            if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+                return Ok(l);
+            }
+        }
+    }
+    std::net::TcpListener::bind("127.0.0.1:0")
+}
+
 /// Accept errors that say nothing about the listener itself (too many open files, a peer that
 /// reset before it was accepted): a server keeps accepting after them.
 pub fn is_transient_accept_error(e: &io::Error) -> bool {

@@ -66,6 +66,12 @@ impl Exit {
         self.status.as_ref().is_ok_and(|s| s.success())
     }
 
+    /// Whether a signal ended it (killed, or crashed) rather than its own exit.
+    pub fn signaled(&self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        self.status.as_ref().is_ok_and(|s| s.signal().is_some())
+    }
+
     /// A one-paragraph description of a failure.
     pub fn describe(&self) -> String {
         use std::os::unix::process::ExitStatusExt;

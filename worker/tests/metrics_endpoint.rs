@@ -19,8 +19,10 @@ fn repo(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(p)
 }
 
+/// A free port outside the ephemeral range, so that no outgoing connection of the starting job
+/// takes it before the job binds it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    rlplane::net::reserve_loopback_port().unwrap().local_addr().unwrap().port()
 }
 
 /// Kills and reaps the child when dropped, so a failed assertion leaves no run behind.

@@ -207,10 +207,10 @@ pub struct PeerEvent {
 // ---------------------------------------------------------------------------------------------
 // Plans on loopback.
 
-/// Loopback addressing with a fresh free port per service.
+/// Loopback addressing with a fresh free port per service, each held until the plan is built.
 struct LoopbackAddressing {
     ipc_dir: String,
-    ports: Mutex<HashMap<(String, u16, u32), u16>>,
+    ports: Mutex<HashMap<(String, u16, u32), std::net::TcpListener>>,
 }
 
 impl Addressing for LoopbackAddressing {
@@ -225,30 +225,24 @@ impl Addressing for LoopbackAddressing {
     }
     fn port(&self, pod: &str, base: u16, offset: u32) -> u16 {
         let mut ports = self.ports.lock().unwrap_or_else(|e| e.into_inner());
-        *ports.entry((pod.to_string(), base, offset)).or_insert_with(free_port)
+        let held = match ports.entry((pod.to_string(), base, offset)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => match net::reserve_loopback_port() {
+                Ok(l) => e.insert(l),
+                Err(_) => return 0,
+            },
+        };
+        held.local_addr().map(|a| a.port()).unwrap_or(0)
     }
     fn same_node(&self, _pods: &[&str]) -> bool {
         true
     }
 }
 
-/// A port nothing listens on right now. Taken below the ephemeral range where the system says
-/// where that is: a port from the ephemeral range can be grabbed by any outgoing connection between
-/// this check and the peer's bind (tests run many peers at once).
+/// A port nothing listens on right now, outside the ephemeral range (see
+/// [`net::reserve_loopback_port`]).
 fn free_port() -> u16 {
-    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(0);
-    if ephemeral_start > 12_000 {
-        for _ in 0..256 {
-            let port = rand::random_range(10_000..ephemeral_start);
-            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                return port;
-            }
-        }
-    }
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+    net::reserve_loopback_port().and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
 }
 
 /// What a harness runs.
