@@ -1,11 +1,14 @@
 //! End-to-end tests of the rlplane operator against a real cluster: the cluster `KUBECONFIG`
-//! names, or none (every test then prints that it skipped, and passes).
+//! names (in CI, the local control plane of `e2e/cluster/up`: a real etcd, kube-apiserver,
+//! kube-controller-manager and kube-scheduler), or none: every test then prints that it skipped and
+//! passes, unless `RLPLANE_E2E_REQUIRED=1` (CI sets it) makes a missing cluster an error.
 //!
 //! Each test gets its own namespace (labelled `rlplane.dev/e2e=true`) and its own operator
-//! process watching only that namespace. Pods are given a scheduler that does not exist, so no
-//! kubelet ever runs them: the tests stand in for the kubelet by patching pod status (Running,
-//! Ready, Failed, Succeeded), which makes every transition deterministic and needs no worker
-//! image. docs/operator.md says how to run them against kind or k3d.
+//! process watching only that namespace. The real scheduler places the pods on the cluster's
+//! (fake GPU) nodes; no kubelet runs them. The tests stand in for the kubelet: they patch pod
+//! status (Running, Ready, Failed, Succeeded), which makes every transition deterministic and
+//! needs no worker image, and [`Env`] finishes the deletion of terminating pods the way a kubelet
+//! does once their containers stopped. docs/operator.md says how to run them.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,8 +29,8 @@ use rlplane_operator::cluster::{
 use rlplane_operator::desired::{labels, worker_service_account_name};
 use serde_json::json;
 
-/// A scheduler name no cluster runs: pods stay unscheduled, and the tests act as their kubelet.
-pub const NO_SCHEDULER: &str = "rlplane-e2e-no-scheduler";
+/// Set to `1` to make a missing cluster an error instead of a skip (CI).
+pub const REQUIRED_ENV: &str = "RLPLANE_E2E_REQUIRED";
 /// Label on every namespace the tests create (`kubectl delete ns -l rlplane.dev/e2e=true` cleans up
 /// after an aborted run).
 pub const E2E_LABEL: &str = "rlplane.dev/e2e";
@@ -45,6 +48,14 @@ pub struct Env {
     pub namespace: String,
     /// The operator under test.
     pub operator: OperatorProcess,
+    /// The kubelet stand-in's loop that finishes the deletion of terminating pods.
+    kubelet: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.kubelet.abort();
+    }
 }
 
 impl Env {
@@ -59,7 +70,13 @@ impl Env {
         let Some((client, namespace)) = namespace(test).await? else { return Ok(None) };
         let binary = operator_binary(&workspace())?;
         let operator = OperatorProcess::start(&binary, &namespace, operator_args)?;
-        Ok(Some(Env { client, namespace, operator }))
+        Ok(Some(Env::new(client, namespace, operator)))
+    }
+
+    /// An environment over an existing namespace and operator; starts the kubelet stand-in.
+    pub fn new(client: Client, namespace: String, operator: OperatorProcess) -> Env {
+        let kubelet = tokio::spawn(finish_pod_deletions(Api::namespaced(client.clone(), &namespace)));
+        Env { client, namespace, operator, kubelet }
     }
 
     /// The RLJob API of the namespace.
@@ -72,12 +89,11 @@ impl Env {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// Loads `manifests/<file>`, gives its pods the scheduler that does not exist, and applies it.
+    /// Loads `manifests/<file>`, lets `edit` change it, and applies it.
     pub async fn apply_manifest(&self, file: &str, edit: impl FnOnce(&mut RLJob)) -> anyhow::Result<RLJob> {
         let path = workspace().join("manifests").join(file);
         let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let mut job = load_rljob(&text).map_err(|e| anyhow::anyhow!("{}: {e:?}", path.display()))?;
-        job.spec.scheduling.scheduler_name = Some(NO_SCHEDULER.into());
         edit(&mut job);
         self.apply(&job).await
     }
@@ -183,8 +199,26 @@ impl Env {
         }
     }
 
-    /// Stands in for the kubelet: the pod runs and is ready (or not).
+    /// Waits until the scheduler bound the pod to a node; returns the node's name.
+    pub async fn wait_scheduled(&self, pod: &str, timeout: Duration) -> anyhow::Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let p = self.pods().get(pod).await?;
+            if let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) {
+                return Ok(node);
+            }
+            if Instant::now() > deadline {
+                let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
+                bail!("pod {pod} was not scheduled within {timeout:?}; its conditions: {conditions:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stands in for the kubelet of the node the pod was placed on (waiting for the scheduler to
+    /// place it first): the pod runs and is ready (or not).
     pub async fn set_ready(&self, pod: &str, ready: bool) -> anyhow::Result<()> {
+        self.wait_scheduled(pod, Duration::from_secs(60)).await?;
         let now = Time(Timestamp::now());
         let status = if ready { "True" } else { "False" };
         self.patch_pod_status(
@@ -238,11 +272,16 @@ impl Env {
         Ok(())
     }
 
-    /// Deletes the namespace (and so everything the test made) and stops the operator.
+    /// Deletes the namespace (and so everything the test made) and stops the operator; the
+    /// kubelet stand-in stays until every pod is gone, so that the namespace can go.
     pub async fn cleanup(mut self) -> anyhow::Result<()> {
         let clean = self.operator.terminate();
         let namespaces: Api<Namespace> = Api::all(self.client.clone());
         namespaces.delete(&self.namespace, &DeleteParams::background()).await?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.pods().list(&ListParams::default()).await?.items.is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         if !clean {
             bail!("the operator did not exit cleanly on SIGTERM");
         }
@@ -250,10 +289,85 @@ impl Env {
     }
 }
 
+/// The kubelet's last word on a deleted pod: once a pod bound to a node is terminating, the
+/// kubelet stops its containers and deletes it for good (grace period 0). No kubelet runs here,
+/// so this loop does it for every terminating pod of the namespace, until aborted.
+async fn finish_pod_deletions(pods: Api<Pod>) {
+    loop {
+        if let Ok(list) = pods.list(&ListParams::default()).await {
+            for p in list.items.iter().filter(|p| p.metadata.deletion_timestamp.is_some()) {
+                let mut dp = DeleteParams::default().grace_period(0);
+                dp.preconditions =
+                    Some(kube::api::Preconditions { uid: p.metadata.uid.clone(), resource_version: None });
+                // Gone already, or replaced by a newer pod of the same name: either is fine.
+                let _ = pods.delete(&p.name_any(), &dp).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// None when a cluster is configured; otherwise prints that the test skipped (or fails, when
+/// [`REQUIRED_ENV`] is `1`).
+pub fn skip_without_cluster() -> anyhow::Result<bool> {
+    let Some(why) = no_cluster_reason() else { return Ok(false) };
+    if std::env::var(REQUIRED_ENV).as_deref() == Ok("1") {
+        bail!("{REQUIRED_ENV}=1 but {why}: start the local control plane with `export KUBECONFIG=$(e2e/cluster/up)`");
+    }
+    println!(
+        "skipped: {why}; run `export KUBECONFIG=$(e2e/cluster/up)` (or point it at kind/k3d) to run the e2e tests"
+    );
+    Ok(true)
+}
+
+/// Runs `kubectl` (from PATH, else the `bin/` beside the kubeconfig that e2e/cluster/up wrote)
+/// against the KUBECONFIG cluster; returns (exit success, stdout, stderr).
+pub fn kubectl(args: &[&str]) -> anyhow::Result<(bool, String, String)> {
+    let out = std::process::Command::new(cluster_tool("kubectl"))
+        .args(args)
+        .output()
+        .context("cannot run kubectl (put it on PATH, or start the cluster with e2e/cluster/up)")?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// [`kubectl`] with `input` on its standard input (`-f -`).
+pub fn kubectl_stdin(args: &[&str], input: &str) -> anyhow::Result<(bool, String, String)> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(cluster_tool("kubectl"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("cannot run kubectl (put it on PATH, or start the cluster with e2e/cluster/up)")?;
+    child.stdin.take().context("kubectl's stdin")?.write_all(input.as_bytes())?;
+    let out = child.wait_with_output()?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// A cluster tool (`kubectl`, `helm`): the one in `bin/` beside KUBECONFIG's file when there is one
+/// (e2e/cluster/up's build), else the name for PATH to resolve.
+pub fn cluster_tool(name: &str) -> PathBuf {
+    if let Some(kc) = std::env::var_os("KUBECONFIG").and_then(|v| std::env::split_paths(&v).next()) {
+        let beside = kc.parent().unwrap_or(Path::new(".")).join("bin").join(name);
+        if beside.exists() {
+            return beside;
+        }
+    }
+    PathBuf::from(name)
+}
+
 /// Creates the test's namespace (after installing the CRD); None when no cluster is configured.
 pub async fn namespace(test: &str) -> anyhow::Result<Option<(Client, String)>> {
-    if let Some(why) = no_cluster_reason() {
-        println!("skipped: {why}; set KUBECONFIG to a kind or k3d cluster to run the operator e2e tests");
+    if skip_without_cluster()? {
         return Ok(None);
     }
     let client = Client::try_default().await.context("cannot build a client from KUBECONFIG")?;

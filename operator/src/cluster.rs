@@ -112,13 +112,26 @@ impl OperatorProcess {
     /// Starts `binary run --namespace <namespace> --metrics-addr <free port> <extra args>` and
     /// waits until it leads (`rlplane_operator_leader 1` on `/metrics`).
     pub fn start(binary: &Path, namespace: &str, extra: &[&str]) -> anyhow::Result<OperatorProcess> {
-        OperatorProcess::spawn(binary, namespace, extra, true)
+        OperatorProcess::spawn(binary, Some(namespace), extra, None, true)
     }
 
     /// Like [`OperatorProcess::start`], but waits only until `/readyz` answers 200 (a standby
     /// replica that does not lead).
     pub fn start_standby(binary: &Path, namespace: &str, extra: &[&str]) -> anyhow::Result<OperatorProcess> {
-        OperatorProcess::spawn(binary, namespace, extra, false)
+        OperatorProcess::spawn(binary, Some(namespace), extra, None, false)
+    }
+
+    /// Starts the operator with the credentials of `kubeconfig` instead of `KUBECONFIG`'s (e.g.
+    /// a ServiceAccount token, to run with exactly the RBAC a chart grants), watching `namespace`
+    /// or, with None, every namespace; waits until it leads (`lead`) or is ready.
+    pub fn start_as(
+        binary: &Path,
+        kubeconfig: &Path,
+        namespace: Option<&str>,
+        extra: &[&str],
+        lead: bool,
+    ) -> anyhow::Result<OperatorProcess> {
+        OperatorProcess::spawn(binary, namespace, extra, Some(kubeconfig), lead)
     }
 
     /// Whether it leads now.
@@ -126,17 +139,29 @@ impl OperatorProcess {
         self.metrics().is_ok_and(|m| m.lines().any(|l| l.trim() == "rlplane_operator_leader 1"))
     }
 
-    fn spawn(binary: &Path, namespace: &str, extra: &[&str], lead: bool) -> anyhow::Result<OperatorProcess> {
+    fn spawn(
+        binary: &Path,
+        namespace: Option<&str>,
+        extra: &[&str],
+        kubeconfig: Option<&Path>,
+        lead: bool,
+    ) -> anyhow::Result<OperatorProcess> {
         let metrics_addr = free_local_addr()?;
         let addr = metrics_addr.to_string();
-        let mut args = vec!["run", "--namespace", namespace, "--metrics-addr", &addr];
+        let mut args = vec!["run", "--metrics-addr", &addr];
+        if let Some(ns) = namespace {
+            args.extend(["--namespace", ns]);
+        }
         args.extend_from_slice(extra);
-        let child = Command::new(binary)
+        let mut command = Command::new(binary);
+        command
             .args(&args)
             .env("RUST_LOG", std::env::var("RLPLANE_OPERATOR_LOG").unwrap_or_else(|_| "info".into()))
-            .stdin(Stdio::null())
-            .spawn()
-            .with_context(|| format!("cannot start {}", binary.display()))?;
+            .stdin(Stdio::null());
+        if let Some(kc) = kubeconfig {
+            command.env("KUBECONFIG", kc);
+        }
+        let child = command.spawn().with_context(|| format!("cannot start {}", binary.display()))?;
         let mut p = OperatorProcess { child, metrics_addr };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -171,6 +196,12 @@ impl OperatorProcess {
             bail!("/metrics answered {code}");
         }
         Ok(body)
+    }
+
+    /// Kills it with SIGKILL (a crash: nothing is released, not even the leader lease) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Sends SIGTERM and waits up to 30 s for a graceful exit (then kills it). Returns whether it

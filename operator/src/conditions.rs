@@ -40,6 +40,8 @@ pub mod reasons {
     pub const ALL_PODS_READY: &str = "AllPodsReady";
     /// PodsReady=False while pods exist.
     pub const PODS_NOT_READY: &str = "PodsNotReady";
+    /// PodsReady=False: the scheduler cannot place some pods (the message quotes it).
+    pub const UNSCHEDULABLE: &str = "Unschedulable";
     /// Restarting=True after a spec change.
     pub const SPEC_CHANGED: &str = "SpecChanged";
     /// Restarting=False once the new epoch's pods exist.

@@ -590,6 +590,17 @@ impl<'a> Draft<'a> {
         if self.st.phase == Phase::Starting || self.st.phase == Phase::Running {
             if all_ready {
                 self.set(conditions::PODS_READY, true, reasons::ALL_PODS_READY, &format!("{n}/{n} pods ready"));
+            } else if let Some((pod, why)) =
+                current.iter().find_map(|c| c.unschedulable.as_ref().map(|why| (&c.name, why)))
+            {
+                // The gang cannot start until every pod is placed: say why, in the scheduler's words.
+                let unplaced = current.iter().filter(|c| c.unschedulable.is_some()).count();
+                self.set(
+                    conditions::PODS_READY,
+                    false,
+                    reasons::UNSCHEDULABLE,
+                    &format!("{n_ready}/{n} pods ready; {unplaced} cannot be scheduled (pod {pod}: {why})"),
+                );
             } else {
                 self.set(conditions::PODS_READY, false, reasons::PODS_NOT_READY, &format!("{n_ready}/{n} pods ready"));
             }

@@ -72,6 +72,9 @@ pub struct ObservedPod {
     pub spec_hash: Option<String>,
     /// Why the pod failed, if it did.
     pub failure: Option<PodFailure>,
+    /// The scheduler's word when it cannot place the pod (`PodScheduled=False`, reason
+    /// `Unschedulable`), e.g. `0/4 nodes are available: 4 Insufficient nvidia.com/gpu.`
+    pub unschedulable: Option<String>,
 }
 
 /// Whether `pod` is controlled by the RLJob with `uid` (a user's pod that merely carries the
@@ -106,6 +109,14 @@ pub fn observe(pod: &Pod) -> ObservedPod {
         terminating,
         spec_hash: meta.annotations.as_ref().and_then(|a| a.get(SPEC_HASH_ANNOTATION)).cloned(),
         failure: failure(pod, phase),
+        unschedulable: status
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| {
+                cs.iter().find(|c| {
+                    c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable")
+                })
+            })
+            .map(|c| c.message.clone().unwrap_or_default()),
     }
 }
 

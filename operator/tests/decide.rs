@@ -264,6 +264,31 @@ fn all_pods_ready_makes_the_job_running_and_it_stays_running() {
 }
 
 #[test]
+fn pods_the_scheduler_cannot_place_say_so_in_pods_ready() {
+    let mut sim = Sim::new(job("rljob-cpu.yaml"));
+    sim.step();
+    let why = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.";
+    sim.pod("grpo-cpu-gen-1").status.as_mut().unwrap().conditions = Some(vec![PodCondition {
+        type_: "PodScheduled".into(),
+        status: "False".into(),
+        reason: Some("Unschedulable".into()),
+        message: Some(why.into()),
+        ..Default::default()
+    }]);
+    sim.now = t(10);
+    sim.step();
+    assert_eq!(sim.status().phase, Phase::Starting, "an unplaced pod is no failure: the gang waits");
+    assert_eq!(
+        sim.condition(conditions::PODS_READY),
+        (
+            "False".into(),
+            reasons::UNSCHEDULABLE.into(),
+            format!("0/3 pods ready; 1 cannot be scheduled (pod grpo-cpu-gen-1: {why})")
+        )
+    );
+}
+
+#[test]
 fn a_failed_pod_restarts_the_whole_gang_with_a_new_epoch() {
     let mut sim = Sim::running(job("rljob-cpu.yaml"));
     sim.job.status.as_mut().unwrap().step = Some(7);
