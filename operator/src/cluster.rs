@@ -67,7 +67,8 @@ pub fn free_local_addr() -> anyhow::Result<SocketAddr> {
     Ok(l.local_addr()?)
 }
 
-/// A GET on a local HTTP/1 endpoint; returns the status code and the body.
+/// A GET on a local HTTP/1 endpoint; returns the status code and the body (a chunked body
+/// decoded: servers send large answers, e.g. Prometheus's API, in chunks).
 pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -75,8 +76,27 @@ pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> 
     let mut response = String::new();
     s.read_to_string(&mut response)?;
     let code = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    Ok((code, body))
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((response.as_str(), ""));
+    let chunked = head.lines().any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked")
+        })
+    });
+    Ok((code, if chunked { dechunk(body) } else { body.to_string() }))
+}
+
+/// The payload of a `Transfer-Encoding: chunked` body (sizes in hex, each chunk followed by CRLF).
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16) else { break };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
 }
 
 /// Memory of a process, from `/proc/<pid>/status` (Linux).
@@ -261,4 +281,13 @@ pub fn operator_binary(workspace: &Path) -> anyhow::Result<PathBuf> {
         }
     }
     bail!("cargo build did not report the rlplane-operator executable; set RLPLANE_OPERATOR_BIN")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_chunked_body_is_decoded() {
+        assert_eq!(super::dechunk("5\r\nhello\r\n7\r\n, world\r\n0\r\n\r\n"), "hello, world");
+        assert_eq!(super::dechunk("3;ext=1\r\nabc\r\n0\r\n\r\n"), "abc");
+    }
 }
