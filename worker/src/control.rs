@@ -203,6 +203,39 @@ enum Event {
     },
 }
 
+/// Answers every connection to the control port after the gang formed, until dropped: a rank of an
+/// earlier epoch (or another job) hears that its token is stale, a rank of this epoch that
+/// connects again hears that it already joined, instead of a connection closed without a word.
+/// Nothing such a peer sends is used.
+pub struct LateJoinerRefusal(tokio::task::JoinHandle<()>);
+
+impl LateJoinerRefusal {
+    /// Takes over `listener` (the control port, after [`ControlServer::accept_all`]).
+    pub fn start(listener: TcpListener, token: String) -> LateJoinerRefusal {
+        LateJoinerRefusal(tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let token = token.clone();
+                tokio::spawn(async move {
+                    let deadline = Instant::now() + Duration::from_secs(10);
+                    let refused = net::accept_hello(&mut stream, MAGIC, VERSION, &token, deadline, |h| {
+                        Err(format!("`{}` joined this epoch's control channel already; the gang is formed", h.peer))
+                    })
+                    .await;
+                    if let Err(e) = refused {
+                        tracing::warn!(error = %e, "refused a control connection after the gang formed");
+                    }
+                });
+            }
+        }))
+    }
+}
+
+impl Drop for LateJoinerRefusal {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The coordinator's side: one connection per rank.
 pub struct ControlServer {
     names: Vec<String>,
@@ -588,6 +621,25 @@ mod tests {
         assert!(e.contains("trainer-1 failed train: fan-out peer trainer-3 reset"), "{e}");
         let e = s.run(&names, Command::Update { step: 0, seed: 1 }, deadline).await.unwrap_err().to_string();
         assert!(e.contains("trainer-1 disconnected"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn after_the_gang_formed_a_stale_or_repeated_rank_is_refused_with_a_reason() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let names = vec!["gen-0".to_string()];
+        let joined = tokio::spawn({
+            let addr = addr.clone();
+            async move { ControlClient::connect(&addr, "tok", "gen-0", deadline).await.unwrap() }
+        });
+        let _server = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        let _joined = joined.await.unwrap();
+        let _refusal = LateJoinerRefusal::start(l, "tok".into());
+        let stale = ControlClient::connect(&addr, "old-epoch", "gen-0", deadline).await.err().unwrap().to_string();
+        assert!(stale.contains("job token `old-epoch` does not match"), "{stale}");
+        let again = ControlClient::connect(&addr, "tok", "gen-0", deadline).await.err().unwrap().to_string();
+        assert!(again.contains("joined this epoch's control channel already"), "{again}");
     }
 
     #[test]

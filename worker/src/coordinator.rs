@@ -209,6 +209,7 @@ pub async fn run(
 
     let deadline = Instant::now() + startup;
     let mut server = ControlServer::accept_all(&control, &ranks, &plan.job.token, deadline).await?;
+    let _late_joiners = crate::control::LateJoinerRefusal::start(control, plan.job.token.clone());
     server.wait_ready(deadline).await?;
     observer.progress(Progress::Connected { ranks: ranks.len() });
 
