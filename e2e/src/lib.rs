@@ -10,6 +10,8 @@
 //! needs no worker image, and [`Env`] finishes the deletion of terminating pods the way a kubelet
 //! does once their containers stopped. docs/operator.md says how to run them.
 
+pub mod node_agent;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -48,13 +50,16 @@ pub struct Env {
     pub namespace: String,
     /// The operator under test.
     pub operator: OperatorProcess,
-    /// The kubelet stand-in's loop that finishes the deletion of terminating pods.
-    kubelet: tokio::task::JoinHandle<()>,
+    /// The kubelet stand-in's loop that finishes the deletion of terminating pods (None when a
+    /// [`node_agent::NodeAgent`] runs the pods instead).
+    kubelet: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Env {
     fn drop(&mut self) {
-        self.kubelet.abort();
+        if let Some(k) = &self.kubelet {
+            k.abort();
+        }
     }
 }
 
@@ -76,7 +81,16 @@ impl Env {
     /// An environment over an existing namespace and operator; starts the kubelet stand-in.
     pub fn new(client: Client, namespace: String, operator: OperatorProcess) -> Env {
         let kubelet = tokio::spawn(finish_pod_deletions(Api::namespaced(client.clone(), &namespace)));
-        Env { client, namespace, operator, kubelet }
+        Env { client, namespace, operator, kubelet: Some(kubelet) }
+    }
+
+    /// Like [`Env::start`], without the kubelet stand-in: a [`node_agent::NodeAgent`] the test
+    /// starts runs the pods.
+    pub async fn start_for_node_agent(test: &str) -> anyhow::Result<Option<Env>> {
+        let Some((client, namespace)) = namespace(test).await? else { return Ok(None) };
+        let binary = operator_binary(&workspace())?;
+        let operator = OperatorProcess::start(&binary, &namespace, &[])?;
+        Ok(Some(Env { client, namespace, operator, kubelet: None }))
     }
 
     /// The RLJob API of the namespace.
@@ -154,6 +168,17 @@ impl Env {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Waits for the `n` pods of `epoch` of the job, then stands in for their kubelets: every one
+    /// runs and is ready.
+    pub async fn ready_all(&self, job: &str, epoch: u32, n: usize) -> anyhow::Result<()> {
+        let what = format!("{n} pods of epoch {epoch}");
+        let pods = self.wait_pods(job, &what, Duration::from_secs(60), |p| live_of_epoch(p, epoch).len() == n).await?;
+        for p in live_of_epoch(&pods, epoch) {
+            self.set_ready(&p.name_any(), true).await?;
+        }
+        Ok(())
     }
 
     /// The pods carrying the job's label.
@@ -323,10 +348,34 @@ pub fn skip_without_cluster() -> anyhow::Result<bool> {
 /// Runs `kubectl` (from PATH, else the `bin/` beside the kubeconfig that e2e/cluster/up wrote)
 /// against the KUBECONFIG cluster; returns (exit success, stdout, stderr).
 pub fn kubectl(args: &[&str]) -> anyhow::Result<(bool, String, String)> {
-    let out = std::process::Command::new(cluster_tool("kubectl"))
+    run_tool("kubectl", args, None)
+}
+
+/// [`kubectl`] with `input` on its standard input (`-f -`).
+pub fn kubectl_stdin(args: &[&str], input: &str) -> anyhow::Result<(bool, String, String)> {
+    run_tool("kubectl", args, Some(input))
+}
+
+/// Runs `helm` (found like [`kubectl`]) against the KUBECONFIG cluster; returns (exit success,
+/// stdout, stderr).
+pub fn helm(args: &[&str]) -> anyhow::Result<(bool, String, String)> {
+    run_tool("helm", args, None)
+}
+
+/// Runs the cluster tool `name` ([`cluster_tool`]) with `input`, if any, on its standard input.
+fn run_tool(name: &str, args: &[&str], input: Option<&str>) -> anyhow::Result<(bool, String, String)> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(cluster_tool(name))
         .args(args)
-        .output()
-        .context("cannot run kubectl (put it on PATH, or start the cluster with e2e/cluster/up)")?;
+        .stdin(if input.is_some() { std::process::Stdio::piped() } else { std::process::Stdio::null() })
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run {name} (put it on PATH, or start the cluster with e2e/cluster/up)"))?;
+    if let Some(input) = input {
+        child.stdin.take().with_context(|| format!("{name}'s stdin"))?.write_all(input.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
     Ok((
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -334,23 +383,91 @@ pub fn kubectl(args: &[&str]) -> anyhow::Result<(bool, String, String)> {
     ))
 }
 
-/// [`kubectl`] with `input` on its standard input (`-f -`).
-pub fn kubectl_stdin(args: &[&str], input: &str) -> anyhow::Result<(bool, String, String)> {
-    use std::io::Write as _;
-    let mut child = std::process::Command::new(cluster_tool("kubectl"))
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .context("cannot run kubectl (put it on PATH, or start the cluster with e2e/cluster/up)")?;
-    child.stdin.take().context("kubectl's stdin")?.write_all(input.as_bytes())?;
-    let out = child.wait_with_output()?;
-    Ok((
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
+/// A token of ServiceAccount `account` in `namespace`, from the TokenRequest API (valid 10 min).
+pub async fn service_account_token(client: &Client, namespace: &str, account: &str) -> anyhow::Result<String> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    let request = TokenRequest {
+        spec: TokenRequestSpec { expiration_seconds: Some(600), ..Default::default() },
+        ..Default::default()
+    };
+    Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+        .create_token_request(account, &kube::api::PostParams::default(), &request)
+        .await
+        .with_context(|| format!("TokenRequest for ServiceAccount {namespace}/{account}"))?
+        .status
+        .map(|s| s.token)
+        .context("the TokenRequest came back without a token")
+}
+
+/// A client with KUBECONFIG's cluster and the credentials of `token` instead of its user's.
+pub async fn client_with_token(token: &str) -> anyhow::Result<Client> {
+    let mut config = kube::Config::infer().await?;
+    config.auth_info = serde_json::from_value(json!({ "token": token }))?;
+    Ok(Client::try_from(config)?)
+}
+
+/// Writes `dir/<name>.kubeconfig`: KUBECONFIG's cluster with `token` as the only credentials (for
+/// a process that must run as a ServiceAccount, e.g. the operator with the chart's RBAC).
+pub async fn token_kubeconfig(dir: &Path, name: &str, token: &str) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let (server, ca) = api_server_of_kubeconfig(dir).await?;
+    let path = dir.join(format!("{name}.kubeconfig"));
+    let text = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {server}\n    certificate-authority: {}\n\
+         users:\n- name: u\n  user:\n    token: {token}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\n\
+         current-context: c\n",
+        ca.display()
+    );
+    std::fs::write(&path, text)?;
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    Ok(path)
+}
+
+/// The worker binary the node agent runs for `rlplane`: `$RLPLANE_WORKER_BIN`, else built with
+/// `cargo build -p rlplane --bin rlplane` (scripts/test builds it once and sets the variable).
+pub fn worker_binary() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("RLPLANE_WORKER_BIN").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        if !p.exists() {
+            bail!("RLPLANE_WORKER_BIN names {}, which does not exist", p.display());
+        }
+        return Ok(p);
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = std::process::Command::new(cargo)
+        .current_dir(workspace())
+        .args(["build", "-p", "rlplane", "--bin", "rlplane"])
+        .status()
+        .context("cannot run cargo build; set RLPLANE_WORKER_BIN to a built rlplane")?;
+    if !status.success() {
+        bail!("cargo build -p rlplane failed");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace().join("target"));
+    Ok(target.join("debug").join("rlplane"))
+}
+
+/// The API server URL and CA file of the KUBECONFIG cluster (for the node agent's pod
+/// kubeconfigs); the CA is written to `dir` when the kubeconfig embeds it.
+pub async fn api_server_of_kubeconfig(dir: &Path) -> anyhow::Result<(String, PathBuf)> {
+    let kc = kube::config::Kubeconfig::read().context("cannot read KUBECONFIG")?;
+    let current = kc.current_context.clone().unwrap_or_default();
+    let ctx = kc.contexts.iter().find(|c| c.name == current).and_then(|c| c.context.clone()).context("no context")?;
+    let cluster =
+        kc.clusters.iter().find(|c| c.name == ctx.cluster).and_then(|c| c.cluster.clone()).context("no cluster")?;
+    let server = cluster.server.clone().context("the kubeconfig's cluster has no server")?;
+    let ca = match (&cluster.certificate_authority, &cluster.certificate_authority_data) {
+        (Some(path), _) => PathBuf::from(path),
+        (None, Some(data)) => {
+            use base64::Engine as _;
+            let pem = base64::engine::general_purpose::STANDARD.decode(data).context("certificate-authority-data")?;
+            let path = dir.join("ca.crt");
+            std::fs::create_dir_all(dir)?;
+            std::fs::write(&path, pem)?;
+            path
+        }
+        (None, None) => bail!("the kubeconfig's cluster has no certificate authority"),
+    };
+    Ok((server, ca))
 }
 
 /// A cluster tool (`kubectl`, `helm`): the one in `bin/` beside KUBECONFIG's file when there is one
@@ -397,6 +514,16 @@ pub fn condition(job: &RLJob, type_: &str) -> Option<(String, String, String)> {
 /// Whether the job's condition `type_` is True.
 pub fn is_true(job: &RLJob, type_: &str) -> bool {
     job.status.as_ref().is_some_and(|s| rlplane_operator::conditions::is_true(&s.conditions, type_))
+}
+
+/// The job's phase, once the operator wrote one.
+pub fn phase_of(job: &RLJob) -> Option<rlplane_api::Phase> {
+    job.status.as_ref().map(|s| s.phase)
+}
+
+/// The job's epoch (0 before the operator wrote a status).
+pub fn epoch_of(job: &RLJob) -> u32 {
+    job.status.as_ref().map(|s| s.epoch).unwrap_or_default()
 }
 
 /// The pod that runs the coordinator.

@@ -7,27 +7,20 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use rlplane_api::{GangScheduler, Phase, RLJob};
-use rlplane_e2e::{Env, condition, coordinator, is_true, live_of_epoch, namespace, workspace};
+use rlplane_e2e::{
+    Env, client_with_token, condition, coordinator, epoch_of, is_true, live_of_epoch, namespace, phase_of,
+    service_account_token, workspace,
+};
 use rlplane_operator::cluster::{OperatorProcess, operator_binary};
 use rlplane_operator::conditions::{FAILED, PODS_CREATED, PODS_READY, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED};
 use rlplane_operator::desired::{OperatorConfig, desired, labels, worker_service_account_name};
 use serde_json::json;
 
 const STEP: Duration = Duration::from_secs(60);
-
-fn phase(job: &RLJob) -> Option<Phase> {
-    job.status.as_ref().map(|s| s.phase)
-}
-
-fn epoch(job: &RLJob) -> u32 {
-    job.status.as_ref().map(|s| s.epoch).unwrap_or_default()
-}
 
 /// Whether the cluster serves the PodGroup API of `gang`.
 async fn serves_pod_groups(client: &Client, gang: GangScheduler) -> bool {
@@ -50,15 +43,6 @@ async fn event_reasons(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
         .filter_map(|e| e.reason)
         .collect())
-}
-
-async fn ready_all(env: &Env, job: &str, epoch: u32, n: usize) -> anyhow::Result<()> {
-    let pods =
-        env.wait_pods(job, &format!("{n} pods of epoch {epoch}"), STEP, |p| live_of_epoch(p, epoch).len() == n).await?;
-    for p in live_of_epoch(&pods, epoch) {
-        env.set_ready(&p.name_any(), true).await?;
-    }
-    Ok(())
 }
 
 /// create → PodsCreated → all ready → Running → a pod fails → gang restart at epoch 1 → Running
@@ -85,7 +69,7 @@ async fn lifecycle(env: &Env, file: &str) -> anyhow::Result<()> {
     }
 
     let job = env.wait_job(&name, "Starting with PodsCreated", STEP, |j| is_true(j, PODS_CREATED)).await?;
-    assert_eq!(phase(&job), Some(Phase::Starting), "{file}");
+    assert_eq!(phase_of(&job), Some(Phase::Starting), "{file}");
     let pods = env.wait_pods(&name, "the gang", STEP, |p| live_of_epoch(p, 0).len() == n).await?;
     env.wait_objects(&name, true, STEP).await?;
     for p in &pods {
@@ -100,8 +84,8 @@ async fn lifecycle(env: &Env, file: &str) -> anyhow::Result<()> {
     }
     assert!(coordinator(&pods).is_some(), "{file}: one pod runs the coordinator");
 
-    ready_all(env, &name, 0, n).await?;
-    let job = env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    env.ready_all(&name, 0, n).await?;
+    let job = env.wait_job(&name, "Running", STEP, |j| phase_of(j) == Some(Phase::Running)).await?;
     let roles = &job.status.as_ref().unwrap().roles;
     assert_eq!((roles.trainer.ready + roles.generation.ready + roles.storage.ready) as usize, n);
     assert!(is_true(&job, RUNNING));
@@ -110,20 +94,21 @@ async fn lifecycle(env: &Env, file: &str) -> anyhow::Result<()> {
     let victim =
         pods.iter().find(|p| coordinator(&pods).map(|c| c.name_any()) != Some(p.name_any())).unwrap_or(&pods[0]);
     env.exit(&victim.name_any(), 1).await?;
-    let job = env.wait_job(&name, "a gang restart", STEP, |j| epoch(j) == 1).await?;
+    let job = env.wait_job(&name, "a gang restart", STEP, |j| epoch_of(j) == 1).await?;
     let st = job.status.as_ref().unwrap();
     assert_eq!(st.restarts, 1, "{file}");
     let (_, reason, message) = condition(&job, RESTARTING).unwrap();
     assert!(message.contains(&victim.name_any()), "{file}: {reason}: {message}");
     env.wait_pods(&name, "the epoch-1 gang only", STEP, |p| live_of_epoch(p, 1).len() == n && p.len() == n).await?;
-    ready_all(env, &name, 1, n).await?;
-    env.wait_job(&name, "Running at epoch 1", STEP, |j| phase(j) == Some(Phase::Running) && epoch(j) == 1).await?;
+    env.ready_all(&name, 1, n).await?;
+    env.wait_job(&name, "Running at epoch 1", STEP, |j| phase_of(j) == Some(Phase::Running) && epoch_of(j) == 1)
+        .await?;
 
     // The coordinator finishes: success, and everything but the job goes.
     let pods = env.pods_of(&name).await?;
     let coordinator = coordinator(&pods).unwrap().name_any();
     env.exit(&coordinator, 0).await?;
-    let job = env.wait_job(&name, "Succeeded", STEP, |j| phase(j) == Some(Phase::Succeeded)).await?;
+    let job = env.wait_job(&name, "Succeeded", STEP, |j| phase_of(j) == Some(Phase::Succeeded)).await?;
     assert!(is_true(&job, SUCCEEDED));
     assert!(job.status.as_ref().unwrap().completion_time.is_some());
     env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
@@ -158,9 +143,9 @@ async fn exhausting_the_backoff_limit_fails_the_job() -> anyhow::Result<()> {
     let Some(env) = Env::start("backoff").await? else { return Ok(()) };
     let job = env.apply_manifest("rljob-cpu.yaml", |j| j.spec.run_policy.backoff_limit = 0).await?;
     let name = job.name_any();
-    ready_all(&env, &name, 0, 3).await?;
+    env.ready_all(&name, 0, 3).await?;
     env.exit(&format!("{name}-gen-0"), 3).await?;
-    let job = env.wait_job(&name, "Failed", STEP, |j| phase(j) == Some(Phase::Failed)).await?;
+    let job = env.wait_job(&name, "Failed", STEP, |j| phase_of(j) == Some(Phase::Failed)).await?;
     let (status, reason, message) = condition(&job, FAILED).unwrap();
     assert_eq!((status.as_str(), reason.as_str()), ("True", "BackoffLimitExceeded"));
     assert!(message.contains(&format!("{name}-gen-0")) && message.contains("exited with code 3"), "{message}");
@@ -173,12 +158,12 @@ async fn suspend_deletes_everything_but_the_job_and_resume_recreates_it() -> any
     let Some(env) = Env::start("suspend").await? else { return Ok(()) };
     let mut job = env.apply_manifest("rljob-cpu.yaml", |_| {}).await?;
     let name = job.name_any();
-    ready_all(&env, &name, 0, 3).await?;
-    env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    env.ready_all(&name, 0, 3).await?;
+    env.wait_job(&name, "Running", STEP, |j| phase_of(j) == Some(Phase::Running)).await?;
 
     job.spec.run_policy.suspend = true;
     env.apply(&job).await?;
-    let suspended = env.wait_job(&name, "Suspended", STEP, |j| phase(j) == Some(Phase::Suspended)).await?;
+    let suspended = env.wait_job(&name, "Suspended", STEP, |j| phase_of(j) == Some(Phase::Suspended)).await?;
     assert!(is_true(&suspended, SUSPENDED));
     assert!(suspended.status.as_ref().unwrap().start_time.is_none());
     env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
@@ -191,7 +176,7 @@ async fn suspend_deletes_everything_but_the_job_and_resume_recreates_it() -> any
     job.spec.run_policy.suspend = false;
     env.apply(&job).await?;
     let resumed = env.wait_job(&name, "resumed", STEP, |j| is_true(j, PODS_CREATED)).await?;
-    assert_eq!(epoch(&resumed), 1, "the suspended gang's token is retired");
+    assert_eq!(epoch_of(&resumed), 1, "the suspended gang's token is retired");
     env.wait_pods(&name, "the gang again", STEP, |p| live_of_epoch(p, 1).len() == 3).await?;
     env.wait_objects(&name, true, STEP).await?;
     env.cleanup().await
@@ -207,7 +192,7 @@ async fn a_kueue_job_created_suspended_starts_when_admitted() -> anyhow::Result<
         })
         .await?;
     let name = job.name_any();
-    let queued = env.wait_job(&name, "Suspended", STEP, |j| phase(j) == Some(Phase::Suspended)).await?;
+    let queued = env.wait_job(&name, "Suspended", STEP, |j| phase_of(j) == Some(Phase::Suspended)).await?;
     assert!(condition(&queued, SUSPENDED).unwrap().2.contains("Kueue (queue team-a)"));
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(env.pods_of(&name).await?.is_empty(), "no pod before admission");
@@ -223,7 +208,7 @@ async fn the_active_deadline_fails_the_job() -> anyhow::Result<()> {
     let Some(env) = Env::start("deadline").await? else { return Ok(()) };
     let job = env.apply_manifest("rljob-cpu.yaml", |j| j.spec.run_policy.active_deadline_seconds = Some(3)).await?;
     let name = job.name_any();
-    let job = env.wait_job(&name, "DeadlineExceeded", STEP, |j| phase(j) == Some(Phase::Failed)).await?;
+    let job = env.wait_job(&name, "DeadlineExceeded", STEP, |j| phase_of(j) == Some(Phase::Failed)).await?;
     assert_eq!(condition(&job, FAILED).unwrap().1, "DeadlineExceeded");
     env.wait_pods(&name, "no pods", STEP, |p| p.is_empty()).await?;
     env.cleanup().await
@@ -234,10 +219,10 @@ async fn a_finished_job_is_deleted_after_its_ttl_with_everything_it_owned() -> a
     let Some(env) = Env::start("ttl").await? else { return Ok(()) };
     let job = env.apply_manifest("rljob-cpu.yaml", |j| j.spec.run_policy.ttl_seconds_after_finished = Some(2)).await?;
     let name = job.name_any();
-    ready_all(&env, &name, 0, 3).await?;
+    env.ready_all(&name, 0, 3).await?;
     let pods = env.pods_of(&name).await?;
     env.exit(&coordinator(&pods).unwrap().name_any(), 0).await?;
-    env.wait_job(&name, "Succeeded", STEP, |j| phase(j) == Some(Phase::Succeeded)).await?;
+    env.wait_job(&name, "Succeeded", STEP, |j| phase_of(j) == Some(Phase::Succeeded)).await?;
     let deadline = std::time::Instant::now() + STEP;
     while env.jobs().get_opt(&name).await?.is_some() {
         assert!(std::time::Instant::now() < deadline, "the RLJob was not deleted after its TTL");
@@ -254,7 +239,7 @@ async fn deleting_a_running_job_garbage_collects_everything_it_owned() -> anyhow
     let job = env.apply_manifest("rljob-cpu-colocated.yaml", |_| {}).await?;
     let name = job.name_any();
     let n = desired(&job, 0, &OperatorConfig::default())?.pods.len();
-    ready_all(&env, &name, 0, n).await?;
+    env.ready_all(&name, 0, n).await?;
     env.wait_objects(&name, true, STEP).await?;
     env.jobs().delete(&name, &DeleteParams::background()).await?;
     // The garbage collector follows the owner references (kube-controller-manager).
@@ -265,20 +250,8 @@ async fn deleting_a_running_job_garbage_collects_everything_it_owned() -> anyhow
 
 /// A client acting as the job's coordinator: a token of `<job>-worker`.
 async fn coordinator_client(env: &Env, job: &str) -> anyhow::Result<Client> {
-    let accounts: Api<ServiceAccount> = Api::namespaced(env.client.clone(), &env.namespace);
-    let request = TokenRequest {
-        spec: TokenRequestSpec { expiration_seconds: Some(600), ..Default::default() },
-        ..Default::default()
-    };
-    let token = accounts
-        .create_token_request(&worker_service_account_name(job), &PostParams::default(), &request)
-        .await?
-        .status
-        .map(|s| s.token)
-        .unwrap_or_default();
-    let mut config = kube::Config::infer().await?;
-    config.auth_info = serde_json::from_value(json!({ "token": token }))?;
-    Ok(Client::try_from(config)?)
+    let token = service_account_token(&env.client, &env.namespace, &worker_service_account_name(job)).await?;
+    client_with_token(&token).await
 }
 
 #[tokio::test]
@@ -304,8 +277,8 @@ async fn the_coordinator_may_report_its_own_status_and_nothing_else() -> anyhow:
     assert!(matches!(denied, Err(kube::Error::Api(ref s)) if s.code == 403), "the spec: {denied:?}");
 
     // The operator's own status writes leave the coordinator's fields alone.
-    ready_all(&env, &name, 0, 3).await?;
-    let running = env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    env.ready_all(&name, 0, 3).await?;
+    let running = env.wait_job(&name, "Running", STEP, |j| phase_of(j) == Some(Phase::Running)).await?;
     let st = running.status.unwrap();
     assert_eq!(st.step, Some(5));
     assert_eq!(st.last_refit.map(|r| r.summary), Some("v5 0.25s".to_string()));
@@ -331,7 +304,7 @@ async fn a_job_asking_more_gpus_than_any_node_has_stays_pending_and_says_why() -
     let (_, _, message) = condition(&job, PODS_READY).unwrap();
     println!("PodsReady: {message}");
     assert!(message.contains("nvidia.com/gpu"), "the scheduler's reason is quoted: {message}");
-    assert_eq!(phase(&job), Some(Phase::Starting), "waiting for room is not a failure");
+    assert_eq!(phase_of(&job), Some(Phase::Starting), "waiting for room is not a failure");
     assert_eq!(job.status.as_ref().unwrap().restarts, 0);
     env.cleanup().await
 }
@@ -341,18 +314,18 @@ async fn an_operator_restarted_mid_job_keeps_the_restart_count_and_the_gang() ->
     let Some(mut env) = Env::start("restart").await? else { return Ok(()) };
     let job = env.apply_manifest("rljob-cpu.yaml", |_| {}).await?;
     let name = job.name_any();
-    ready_all(&env, &name, 0, 3).await?;
+    env.ready_all(&name, 0, 3).await?;
     env.exit(&format!("{name}-gen-0"), 1).await?;
-    env.wait_job(&name, "a gang restart", STEP, |j| epoch(j) == 1).await?;
-    ready_all(&env, &name, 1, 3).await?;
-    env.wait_job(&name, "Running at epoch 1", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    env.wait_job(&name, "a gang restart", STEP, |j| epoch_of(j) == 1).await?;
+    env.ready_all(&name, 1, 3).await?;
+    env.wait_job(&name, "Running at epoch 1", STEP, |j| phase_of(j) == Some(Phase::Running)).await?;
     let uids: Vec<_> = env.pods_of(&name).await?.iter().map(|p| p.uid()).collect();
 
     // A crash, then a new operator process: everything it knows comes from the API server.
     env.operator.kill();
     env.operator = OperatorProcess::start(&operator_binary(&workspace())?, &env.namespace, &[])?;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let job = env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    let job = env.wait_job(&name, "Running", STEP, |j| phase_of(j) == Some(Phase::Running)).await?;
     let st = job.status.as_ref().unwrap();
     assert_eq!((st.restarts, st.epoch), (1, 1), "the restart count and epoch survive the operator");
     let after: Vec<_> = env.pods_of(&name).await?.iter().map(|p| p.uid()).collect();
@@ -394,8 +367,8 @@ async fn killing_the_leader_hands_a_running_job_to_the_standby_within_the_lease(
     let mut env = Env::new(client, ns, leader);
     let job = env.apply_manifest("rljob-cpu.yaml", |_| {}).await?;
     let name = job.name_any();
-    ready_all(&env, &name, 0, 3).await?;
-    env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
+    env.ready_all(&name, 0, 3).await?;
+    env.wait_job(&name, "Running", STEP, |j| phase_of(j) == Some(Phase::Running)).await?;
 
     // SIGKILL: the lease is not released; the standby must wait for it to expire, no longer.
     let killed = std::time::Instant::now();
@@ -413,9 +386,9 @@ async fn killing_the_leader_hands_a_running_job_to_the_standby_within_the_lease(
     println!("the standby led {:?} after the leader was killed (lease {lease_seconds} s)", killed.elapsed());
 
     // The job keeps running under the new leader, and a failure is handled by it.
-    let job = env.wait_job(&name, "Running", STEP, |j| phase(j) == Some(Phase::Running)).await?;
-    assert_eq!(epoch(&job), 0, "the takeover did not restart the gang");
+    let job = env.wait_job(&name, "Running", STEP, |j| phase_of(j) == Some(Phase::Running)).await?;
+    assert_eq!(epoch_of(&job), 0, "the takeover did not restart the gang");
     env.exit(&format!("{name}-gen-1"), 1).await?;
-    env.wait_job(&name, "a restart by the new leader", STEP, |j| epoch(j) == 1).await?;
+    env.wait_job(&name, "a restart by the new leader", STEP, |j| epoch_of(j) == 1).await?;
     env.cleanup().await
 }
