@@ -1,0 +1,582 @@
+//! The whole job through the real cluster: an RLJob applied with `kubectl`, reconciled by the real
+//! operator into pods the real scheduler places, run by the real worker (`rlplane worker`, started
+//! by the e2e node agent from the pods' own command, env, volumes and ServiceAccount token), with
+//! the coordinator reporting STEP and REFIT into the RLJob's status with the per-job worker
+//! account's token; a worker killed mid-job and the gang restarted with a new epoch that refuses a
+//! process of the old one; the workers' `/metrics` scraped by a real Prometheus through the chart's
+//! PodMonitor (its selector, port and relabelling turned into Prometheus relabel rules as
+//! prometheus-operator does, over pod targets discovered from the API server), and the dashboard's
+//! refit and queue panels answered for the job.
+//! Without KUBECONFIG every test prints that it skipped and passes (CI makes that an error).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use kube::ResourceExt;
+use rlplane_api::{Phase, RLJob};
+use rlplane_e2e::node_agent::{NodeAgent, NodeAgentConfig};
+use rlplane_e2e::{
+    Env, api_server_of_kubeconfig, cluster_tool, epoch_of, helm, kubectl, kubectl_stdin, phase_of,
+    service_account_token, worker_binary, workspace,
+};
+use rlplane_operator::cluster::http_get;
+
+/// A job's whole run on 2 cores, with a restart, fits well inside this.
+const RUN: Duration = Duration::from_secs(240);
+
+/// The test's namespace, operator and node agent (which runs the pods as local processes).
+struct Cluster {
+    env: Env,
+    agent: NodeAgent,
+    dir: PathBuf,
+}
+
+impl Cluster {
+    async fn start(test: &str) -> anyhow::Result<Option<Cluster>> {
+        let Some(env) = Env::start_for_node_agent(test).await? else { return Ok(None) };
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("e2e-node-agent").join(&env.namespace);
+        let (api_server, api_ca_file) = api_server_of_kubeconfig(&dir).await?;
+        let cfg = NodeAgentConfig {
+            namespace: env.namespace.clone(),
+            root: dir.join("pods"),
+            executables: BTreeMap::from([("rlplane".to_string(), worker_binary()?)]),
+            api_server,
+            api_ca_file,
+        };
+        let agent = NodeAgent::start(env.client.clone(), cfg)?;
+        Ok(Some(Cluster { env, agent, dir }))
+    }
+
+    /// `kubectl apply -n <ns> -f manifests/<file>` with the manifest's text edited by `edit`.
+    fn apply(&self, file: &str, edit: impl FnOnce(String) -> String) -> anyhow::Result<String> {
+        let text = std::fs::read_to_string(workspace().join("manifests").join(file))?;
+        let (ok, out, err) = kubectl_stdin(&["apply", "-n", &self.env.namespace, "-f", "-"], &edit(text))?;
+        anyhow::ensure!(ok, "kubectl apply -f manifests/{file} failed:\n{err}");
+        Ok(out.trim().to_string())
+    }
+
+    /// Waits for `done`, and on a timeout or a Failed job shows the pods' logs.
+    async fn wait(&self, job: &str, what: &str, done: impl Fn(&RLJob) -> bool) -> anyhow::Result<RLJob> {
+        let failed_early = |j: &RLJob| phase_of(j) == Some(Phase::Failed);
+        match self.env.wait_job(job, what, RUN, |j| done(j) || failed_early(j)).await {
+            Ok(j) if done(&j) => Ok(j),
+            other => {
+                let pods = self.env.pods_of(job).await.unwrap_or_default();
+                let mut logs = String::new();
+                for p in &pods {
+                    logs.push_str(&self.agent.logs(&p.name_any()));
+                }
+                let status = other.map(|j| format!("{:?}", j.status)).unwrap_or_else(|e| format!("{e:#}"));
+                bail!("RLJob {job}: {what} did not happen: {status}\npod logs:\n{logs}")
+            }
+        }
+    }
+}
+
+/// `kubectl get rlj -w` in the background: what a user watching the job sees.
+struct Watch(Child, PathBuf);
+
+impl Watch {
+    fn start(ns: &str, dir: &Path) -> anyhow::Result<Watch> {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join("kubectl-get-rlj-w.txt");
+        let out = std::fs::File::create(&path)?;
+        let child = Command::new(cluster_tool("kubectl"))
+            .args(["get", "rlj", "-n", ns, "-w"])
+            .stdout(out)
+            .stderr(Stdio::null())
+            .spawn()
+            .context("cannot run kubectl get rlj -w")?;
+        Ok(Watch(child, path))
+    }
+
+    fn stop(mut self) -> String {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        std::fs::read_to_string(&self.1).unwrap_or_default()
+    }
+}
+
+/// The steps and refit versions the job's status went through, polled while `until` is false.
+async fn record_progress(env: &Env, job: &str, until: impl Fn(&RLJob) -> bool) -> anyhow::Result<Vec<(u64, u64)>> {
+    let mut seen: Vec<(u64, u64)> = Vec::new();
+    let deadline = Instant::now() + RUN;
+    loop {
+        if let Some(j) = env.jobs().get_opt(job).await?
+            && let Some(st) = &j.status
+        {
+            if let (Some(step), Some(refit)) = (st.step, st.last_refit.as_ref()) {
+                let now = (step, refit.version);
+                if seen.last() != Some(&now) {
+                    seen.push(now);
+                }
+            }
+            if until(&j) {
+                return Ok(seen);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("RLJob {job} did not finish within {RUN:?}; progress seen: {seen:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The notes of the job's GangRestart Events.
+async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+        kube::Api::namespaced(env.client.clone(), &env.namespace);
+    Ok(events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
+        .filter(|e| e.reason.as_deref() == Some("GangRestart"))
+        .filter_map(|e| e.note)
+        .collect())
+}
+
+/// Who wrote `status.step`: the field manager of the status subresource that owns it.
+fn status_step_manager(job: &RLJob) -> Option<String> {
+    job.metadata.managed_fields.iter().flatten().find_map(|m| {
+        let owns_step = m.subresource.as_deref() == Some("status")
+            && m.fields_v1.as_ref().is_some_and(|f| f.0.get("f:status").and_then(|s| s.get("f:step")).is_some());
+        owns_step.then(|| m.manager.clone()).flatten()
+    })
+}
+
+async fn runs_to_succeeded(file: &str) -> anyhow::Result<()> {
+    let Some(c) =
+        Cluster::start(&format!("job-{}", file.trim_end_matches(".yaml").trim_start_matches("rljob-"))).await?
+    else {
+        return Ok(());
+    };
+    let ns = c.env.namespace.clone();
+    let watch = Watch::start(&ns, &c.dir)?;
+    let applied = c.apply(file, |t| t)?;
+    println!("$ kubectl apply -f manifests/{file}\n{applied}");
+    let name =
+        applied.split_whitespace().next().unwrap_or_default().trim_start_matches("rljob.rlplane.dev/").to_string();
+
+    let progress = record_progress(&c.env, &name, |j| phase_of(j).is_some_and(|p| p.is_finished())).await?;
+    let job = c.wait(&name, "Succeeded", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
+    let table = watch.stop();
+    println!("$ kubectl get rlj -w\n{table}");
+    let (_, describe, _) = kubectl(&["describe", "rlj", &name, "-n", &ns])?;
+    println!("$ kubectl describe rlj {name}\n{describe}");
+
+    let st = job.status.as_ref().unwrap();
+    assert_eq!(st.restarts, 0, "{file}: no gang restart: {:?}", gang_restart_events(&c.env, &name).await?);
+    let steps = job.spec.workload.steps as u64;
+    assert_eq!(st.step, Some(steps), "{file}: the coordinator reported every step: {st:?}");
+    assert!(!progress.is_empty(), "{file}: STEP/REFIT never showed while the job ran");
+    assert!(progress.windows(2).all(|w| w[0].0 < w[1].0), "{file}: STEP only advances: {progress:?}");
+    assert!(progress.iter().all(|&(step, version)| version >= 1 && version <= step + 1), "{progress:?}");
+    println!("{file}: STEP/REFIT seen while running: {progress:?}");
+    // The table a user watches shows the columns filling in.
+    let rows: Vec<&str> = table.lines().filter(|l| l.starts_with(&name)).collect();
+    assert!(rows.iter().any(|r| r.contains("Running")), "{file}: kubectl get rlj -w never showed Running:\n{table}");
+    assert!(rows.last().is_some_and(|r| r.contains("Succeeded")), "{file}: the last row is not Succeeded:\n{table}");
+    // The coordinator wrote them, through its own field manager, as the per-job worker account
+    // (the only credentials its pod has; the operator's tests show that account can patch no
+    // other job's status).
+    assert_eq!(status_step_manager(&job).as_deref(), Some("rlplane-coordinator"), "{file}: managedFields");
+    assert!(describe.contains("Succeeded"), "{describe}");
+    c.env.cleanup().await
+}
+
+#[tokio::test]
+async fn the_cpu_job_applied_with_kubectl_runs_to_succeeded_and_reports_steps_and_refits() -> anyhow::Result<()> {
+    runs_to_succeeded("rljob-cpu.yaml").await
+}
+
+#[tokio::test]
+async fn the_colocated_cpu_job_applied_with_kubectl_runs_to_succeeded() -> anyhow::Result<()> {
+    runs_to_succeeded("rljob-cpu-colocated.yaml").await
+}
+
+#[tokio::test]
+async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused() -> anyhow::Result<()> {
+    let Some(c) = Cluster::start("job-kill").await? else { return Ok(()) };
+    // Enough steps that the kill lands mid-job.
+    let applied = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 12"))?;
+    let name =
+        applied.split_whitespace().next().unwrap_or_default().trim_start_matches("rljob.rlplane.dev/").to_string();
+    c.wait(&name, "the first step", |j| j.status.as_ref().and_then(|s| s.step).is_some_and(|s| s >= 1)).await?;
+
+    // Keep the old epoch's plan (and its token) before the restart replaces it.
+    let victim = format!("{name}-gen-0");
+    let pod_dir = c.agent.pod_dir(&victim).context("the victim pod runs")?;
+    let old_plan = c.dir.join("epoch-0-plan.json");
+    std::fs::copy(pod_dir.join("vol/plan/plan.json"), &old_plan).context("the pod's mounted plan")?;
+    assert!(c.agent.signal(&victim, libc::SIGKILL), "{victim} was running");
+    println!("killed the processes of {victim} (SIGKILL)");
+
+    let job = c.wait(&name, "a gang restart", |j| epoch_of(j) == 1).await?;
+    let st = job.status.as_ref().unwrap();
+    assert_eq!(st.restarts, 1);
+    let restarts = gang_restart_events(&c.env, &name).await?;
+    assert!(restarts.iter().any(|e| e.contains(&victim)), "the restart names the pod that died: {restarts:?}");
+    println!("GangRestart: {restarts:?}");
+    c.wait(&name, "Running at epoch 1", |j| epoch_of(j) == 1 && phase_of(j) == Some(Phase::Running)).await?;
+
+    // A process of the old epoch tries to rejoin: the new gang refuses its handshake.
+    let stale = stale_rank(&c, &old_plan, &victim)?;
+    println!("the epoch-0 rank that tried to rejoin: {stale}");
+    assert!(stale.contains("does not match") || stale.contains("refused"), "{stale}");
+
+    let job = c.wait(&name, "Succeeded at epoch 1", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
+    assert_eq!(epoch_of(&job), 1);
+    assert_eq!(job.status.as_ref().and_then(|s| s.step), Some(12), "the new epoch ran every step");
+    c.env.cleanup().await
+}
+
+/// Runs one rank of the old plan (the generation rank of `pod`) against the new epoch's gang, as
+/// the node agent would have run it, and returns what it printed once it exited. It must exit
+/// with an error.
+fn stale_rank(c: &Cluster, old_plan: &Path, pod: &str) -> anyhow::Result<String> {
+    let plan: rlplane_api::WorkerPlan = serde_json::from_str(&std::fs::read_to_string(old_plan)?)?;
+    let pod_index = plan.pods.iter().position(|p| p.name == pod).context("the old plan names the pod")?;
+    let process = plan
+        .processes
+        .iter()
+        .find(|p| p.pod as usize == pod_index)
+        .map(|p| p.name.clone())
+        .context("the pod runs a process")?;
+    let ipc = c.dir.join("stale-ipc");
+    std::fs::create_dir_all(&ipc)?;
+    let out = Command::new(worker_binary()?)
+        .args(["worker", "--plan", old_plan.to_str().unwrap(), "--process", &process])
+        .env(rlplane::pod::HOST_ALIASES_ENV, c.agent.hosts_file())
+        // An address of its own: the new pod of the same name holds the old one's.
+        .env(rlplane::pod::BIND_HOST_ENV, c.agent.reserve_address("stale-rank"))
+        .env(rlplane::pod::IPC_DIR_ENV, &ipc)
+        .stdin(Stdio::null())
+        .output()?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    anyhow::ensure!(!out.status.success(), "the old epoch's rank {process} was accepted and succeeded:\n{text}");
+    Ok(text.lines().rfind(|l| !l.trim().is_empty()).unwrap_or_default().to_string())
+}
+
+#[tokio::test]
+async fn prometheus_scrapes_the_job_through_the_pod_monitor_and_the_dashboard_answers() -> anyhow::Result<()> {
+    let Some(prometheus) = which("prometheus") else {
+        if std::env::var(rlplane_e2e::REQUIRED_ENV).as_deref() == Ok("1") {
+            bail!("prometheus is not installed (apt-get install prometheus; .ci/run installs it)");
+        }
+        println!("skipped: prometheus is not installed (apt-get install prometheus)");
+        return Ok(());
+    };
+    let Some(c) = Cluster::start("job-metrics").await? else { return Ok(()) };
+    let ns = c.env.namespace.clone();
+
+    // The chart's PodMonitor for this namespace, as Helm renders it.
+    let chart = workspace().join("charts/rlplane");
+    let watch = format!("watchNamespace={ns}");
+    let (ok, rendered, err) = helm(&[
+        "template",
+        "rlplane",
+        chart.to_str().unwrap(),
+        "--set",
+        "podMonitor.enabled=true",
+        "--set",
+        &watch,
+        "--show-only",
+        "templates/podmonitor.yaml",
+    ])?;
+    anyhow::ensure!(ok, "helm template: {err}");
+    let monitor: serde_json::Value = serde_saphyr::from_str(&rendered).context("the rendered PodMonitor")?;
+
+    // Prometheus's own pod discovery, as a ServiceAccount that may list and watch pods here.
+    let (ok, _, err) = kubectl_stdin(&["apply", "-n", &ns, "-f", "-"], &prometheus_rbac(&ns))?;
+    anyhow::ensure!(ok, "{err}");
+    let token = service_account_token(&c.env.client, &ns, "prometheus").await?;
+    let dir = c.dir.join("prometheus");
+    std::fs::create_dir_all(&dir)?;
+    let targets = dir.join("pods.json");
+    std::fs::write(&targets, "[]")?;
+    let config = scrape_config(&monitor, &targets)?;
+    std::fs::write(dir.join("prometheus.yml"), &config)?;
+    // Debian's Prometheus is built without Kubernetes discovery: this loop is it, listing pods as
+    // the `prometheus` account, with the labels Prometheus's pod role gives each container port.
+    let discovery = tokio::spawn(discover_pods(
+        kube::Api::namespaced(rlplane_e2e::client_with_token(&token).await?, &ns),
+        targets.clone(),
+    ));
+    let port = rlplane::net::reserve_loopback_port()?.local_addr()?.port();
+    let mut prom = Command::new(prometheus)
+        .args([
+            &format!("--config.file={}", dir.join("prometheus.yml").display()),
+            &format!("--storage.tsdb.path={}", dir.join("data").display()),
+            &format!("--web.listen-address=127.0.0.1:{port}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("prometheus.log"))?)
+        .spawn()?;
+    let result = scrape_and_query(&c, port, &dir).await;
+    discovery.abort();
+    let _ = prom.kill();
+    let _ = prom.wait();
+    if result.is_err() {
+        eprintln!("prometheus config:\n{config}");
+    }
+    result?;
+    c.env.cleanup().await
+}
+
+async fn scrape_and_query(c: &Cluster, port: u16, dir: &Path) -> anyhow::Result<()> {
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !http_get(addr, "/-/ready").is_ok_and(|(code, _)| code == 200) {
+        if Instant::now() > deadline {
+            bail!("Prometheus did not start: {}", std::fs::read_to_string(dir.join("prometheus.log"))?);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let start = unix_now();
+    // Long enough to be discovered (Prometheus applies new targets at most every 5 s) and scraped
+    // for a while: ~0.1 s a step here.
+    let applied = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 200"))?;
+    let name =
+        applied.split_whitespace().next().unwrap_or_default().trim_start_matches("rljob.rlplane.dev/").to_string();
+    c.wait(&name, "Running", |j| phase_of(j).is_some_and(|p| p == Phase::Running || p.is_finished())).await?;
+    // Every pod of the job is a target, discovered through the API server, and scraped.
+    let pods = c.env.pods_of(&name).await?.len();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let targets = loop {
+        let (_, body) = http_get(addr, "/api/v1/targets")?;
+        let targets: serde_json::Value =
+            serde_json::from_str(&body).with_context(|| format!("Prometheus's targets: {body}"))?;
+        let up = targets["data"]["activeTargets"]
+            .as_array()
+            .map(|t| t.iter().filter(|t| t["health"] == "up").count())
+            .unwrap_or(0);
+        if up >= pods || Instant::now() > deadline {
+            println!("{up} of {pods} pods scraped");
+            if up < pods {
+                let discovered = std::fs::read_to_string(dir.join("pods.json")).unwrap_or_default();
+                bail!("Prometheus scraped {up} of {pods} pods; targets: {targets}\ndiscovered: {discovered}");
+            }
+            break targets;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    for t in targets["data"]["activeTargets"].as_array().into_iter().flatten() {
+        println!(
+            "  target {} {} role={} epoch={}",
+            t["scrapeUrl"], t["health"], t["labels"]["pod_role"], t["labels"]["epoch"]
+        );
+        assert_eq!(t["labels"]["epoch"], "0", "the PodMonitor's relabelling keeps the epoch: {t}");
+    }
+    c.wait(&name, "Succeeded", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
+    let end = unix_now() + 1.0;
+
+    // The dashboard's refit-latency and transfer-queue panels, for this job.
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(workspace().join("charts/rlplane/dashboards/rlplane.json"))?)?;
+    let mut checked = Vec::new();
+    for panel in panels(&dashboard) {
+        let title = panel["title"].as_str().unwrap_or_default();
+        if !(title.starts_with("Refit latency") || title.starts_with("TQ ")) {
+            continue;
+        }
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = substitute(target["expr"].as_str().unwrap_or_default(), &name);
+            let q = format!("/api/v1/query_range?query={}&start={start:.3}&end={end:.3}&step=1", urlencode(&expr));
+            let (code, body) = http_get(addr, &q)?;
+            let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            let values: Vec<f64> = answer["data"]["result"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|s| s["values"].as_array().cloned().unwrap_or_default())
+                .filter_map(|v| v[1].as_str().and_then(|x| x.parse::<f64>().ok()))
+                .filter(|v| v.is_finite())
+                .collect();
+            assert!(code == 200 && !values.is_empty(), "panel {title:?}: {expr} returned no data: {body}");
+            checked.push(format!("{title}: {} points", values.len()));
+        }
+    }
+    println!("dashboard panels with data for {name}:\n  {}", checked.join("\n  "));
+    assert!(checked.iter().any(|c| c.starts_with("Refit latency")) && checked.iter().any(|c| c.starts_with("TQ ")));
+    Ok(())
+}
+
+/// A ServiceAccount `prometheus` that may list and watch the namespace's pods (what Prometheus's
+/// pod discovery needs).
+fn prometheus_rbac(ns: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: prometheus, namespace: {ns}}}\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: prometheus, namespace: {ns}}}\n\
+         rules: [{{apiGroups: [\"\"], resources: [pods], verbs: [get, list, watch]}}]\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: prometheus, namespace: {ns}}}\n\
+         roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: prometheus}}\n\
+         subjects: [{{kind: ServiceAccount, name: prometheus, namespace: {ns}}}]\n"
+    )
+}
+
+/// Writes `file` (Prometheus file discovery) every 250 ms: one target per container port of every
+/// pod with an IP, labelled as Prometheus's Kubernetes pod discovery labels it
+/// (`__meta_kubernetes_pod_label_*`, `..._labelpresent_*`, `..._container_port_name`, …).
+async fn discover_pods(pods: kube::Api<k8s_openapi::api::core::v1::Pod>, file: PathBuf) {
+    loop {
+        let listed = pods.list(&Default::default()).await;
+        if let Err(e) = &listed {
+            eprintln!("pod discovery: {e}");
+        }
+        if let Ok(list) = listed {
+            let mut groups = Vec::new();
+            for p in &list.items {
+                let Some(ip) = p.status.as_ref().and_then(|s| s.pod_ip.clone()) else { continue };
+                let spec = p.spec.clone().unwrap_or_default();
+                let mut base = serde_json::Map::new();
+                base.insert("__meta_kubernetes_namespace".into(), p.namespace().unwrap_or_default().into());
+                base.insert("__meta_kubernetes_pod_name".into(), p.name_any().into());
+                base.insert("__meta_kubernetes_pod_ip".into(), ip.clone().into());
+                for (k, v) in p.labels() {
+                    base.insert(format!("__meta_kubernetes_pod_label_{}", sanitize(k)), v.clone().into());
+                    base.insert(format!("__meta_kubernetes_pod_labelpresent_{}", sanitize(k)), "true".into());
+                }
+                let containers = spec.init_containers.iter().flatten().map(|c| (c, true));
+                for (c, init) in containers.chain(spec.containers.iter().map(|c| (c, false))) {
+                    for port in c.ports.iter().flatten() {
+                        let mut labels = base.clone();
+                        labels.insert("__meta_kubernetes_pod_container_name".into(), c.name.clone().into());
+                        labels.insert("__meta_kubernetes_pod_container_init".into(), init.to_string().into());
+                        labels.insert(
+                            "__meta_kubernetes_pod_container_port_name".into(),
+                            port.name.clone().unwrap_or_default().into(),
+                        );
+                        labels.insert(
+                            "__meta_kubernetes_pod_container_port_number".into(),
+                            port.container_port.to_string().into(),
+                        );
+                        groups.push(serde_json::json!({
+                            "targets": [format!("{ip}:{}", port.container_port)], "labels": labels,
+                        }));
+                    }
+                }
+            }
+            let tmp = file.with_extension("tmp");
+            if std::fs::write(&tmp, serde_json::to_vec(&groups).unwrap_or_default()).is_ok() {
+                let _ = std::fs::rename(&tmp, &file);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The scrape configuration prometheus-operator generates from a PodMonitor, over `targets` (file
+/// discovery in place of Kubernetes discovery): pods kept by the monitor's namespaces, its selector
+/// (`Exists` expressions) and its endpoint's port name, then the endpoint's own relabelings.
+/// Scrapes every 500 ms (the job lives seconds).
+fn scrape_config(monitor: &serde_json::Value, targets: &Path) -> anyhow::Result<String> {
+    let spec = &monitor["spec"];
+    let endpoint = &spec["podMetricsEndpoints"][0];
+    let namespaces: Vec<String> = spec["namespaceSelector"]["matchNames"]
+        .as_array()
+        .context("the PodMonitor names its namespaces (watchNamespace)")?
+        .iter()
+        .filter_map(|n| n.as_str().map(str::to_string))
+        .collect();
+    let mut relabel = vec![format!(
+        "  - {{source_labels: [__meta_kubernetes_namespace], regex: \"{}\", action: keep}}",
+        namespaces.join("|")
+    )];
+    for e in spec["selector"]["matchExpressions"].as_array().into_iter().flatten() {
+        anyhow::ensure!(e["operator"] == "Exists", "only Exists selectors are translated: {e}");
+        let label = sanitize(e["key"].as_str().unwrap_or_default());
+        relabel.push(format!(
+            "  - {{source_labels: [__meta_kubernetes_pod_labelpresent_{label}], regex: \"true\", action: keep}}"
+        ));
+    }
+    let port = endpoint["port"].as_str().context("the endpoint names its port")?;
+    relabel.push(format!(
+        "  - {{source_labels: [__meta_kubernetes_pod_container_port_name], regex: {port}, action: keep}}"
+    ));
+    for r in endpoint["relabelings"].as_array().into_iter().flatten() {
+        let sources: Vec<&str> =
+            r["sourceLabels"].as_array().into_iter().flatten().filter_map(|s| s.as_str()).collect();
+        relabel.push(format!(
+            "  - {{source_labels: [{}], target_label: {}}}",
+            sources.join(", "),
+            r["targetLabel"].as_str().unwrap_or_default()
+        ));
+    }
+    Ok(format!(
+        "global: {{scrape_interval: 500ms, scrape_timeout: 400ms}}\nscrape_configs:\n\
+         - job_name: podMonitor/{}\n  metrics_path: {}\n  file_sd_configs:\n  - files: [{}]\n    refresh_interval: 1s\n\
+         \x20 relabel_configs:\n{}\n",
+        monitor["metadata"]["name"].as_str().unwrap_or_default(),
+        endpoint["path"].as_str().unwrap_or("/metrics"),
+        targets.display(),
+        relabel.join("\n")
+    ))
+}
+
+/// A Kubernetes label name as Prometheus's discovery spells it (`rlplane.dev/job` →
+/// `rlplane_dev_job`).
+fn sanitize(label: &str) -> String {
+    label.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect()
+}
+
+fn panels(dashboard: &serde_json::Value) -> Vec<&serde_json::Value> {
+    let mut out = Vec::new();
+    for p in dashboard["panels"].as_array().into_iter().flatten() {
+        out.push(p);
+        out.extend(p["panels"].as_array().into_iter().flatten());
+    }
+    out
+}
+
+/// The dashboard's variables as Grafana substitutes them for one job, at a 500 ms scrape interval.
+fn substitute(expr: &str, job: &str) -> String {
+    expr.replace("$__rate_interval", "5s").replace("${rljob}", job).replace("$rljob", job)
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default()
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+#[test]
+fn a_pod_monitor_becomes_the_scrape_config_prometheus_operator_would_write() {
+    let monitor = serde_json::json!({
+        "metadata": {"name": "rlplane-jobs"},
+        "spec": {
+            "selector": {"matchExpressions": [{"key": "rlplane.dev/job", "operator": "Exists"}]},
+            "namespaceSelector": {"matchNames": ["ml"]},
+            "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics",
+                "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_label_rlplane_dev_epoch"], "targetLabel": "epoch"}]}],
+        }
+    });
+    let config = scrape_config(&monitor, Path::new("/pods.json")).unwrap();
+    let parsed: serde_json::Value = serde_saphyr::from_str(&config).unwrap();
+    let job = &parsed["scrape_configs"][0];
+    assert_eq!(job["file_sd_configs"][0]["files"][0], "/pods.json");
+    let relabel = job["relabel_configs"].as_array().unwrap();
+    assert_eq!(relabel[0]["regex"], "ml");
+    assert_eq!(relabel[1]["source_labels"][0], "__meta_kubernetes_pod_labelpresent_rlplane_dev_job");
+    assert_eq!(relabel[2]["regex"], "metrics");
+    assert_eq!(relabel[3]["target_label"], "epoch");
+}
