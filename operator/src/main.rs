@@ -24,8 +24,9 @@ struct Cli {
 enum Command {
     /// Run the operator (the default when no subcommand is given).
     Run(RunArgs),
-    /// Time a 64-pod RLJob's objects appearing and the operator's RSS with 100 RLJobs, against
-    /// the cluster KUBECONFIG names (skipped when KUBECONFIG is unset).
+    /// Time a 64-pod RLJob's objects appearing (and its pods scheduled), count the API requests
+    /// per reconcile, and measure the operator's RSS with 100 RLJobs, against the cluster
+    /// KUBECONFIG names (skipped when KUBECONFIG is unset).
     Bench(BenchArgs),
 }
 
@@ -87,6 +88,10 @@ struct BenchArgs {
     /// Keep the namespace and its RLJobs afterwards.
     #[arg(long)]
     keep: bool,
+    /// Let the latency job's pods be scheduled (the cluster needs room for --pods pods) and time
+    /// until the scheduler bound them all.
+    #[arg(long)]
+    schedule: bool,
 }
 
 /// Accepts both clap's kebab-case and Kubernetes' own spelling (`IfNotPresent`).
@@ -165,6 +170,7 @@ async fn main() -> ExitCode {
                 rounds: b.rounds,
                 operator_bin: b.operator_bin,
                 keep: b.keep,
+                schedule: b.schedule,
             };
             bench::cluster(&opts).await
         }

@@ -164,7 +164,7 @@ async fn offline_reconcile_costs_and_memory() {
     // 1. 100 RLJobs of 3 pods: created, then Running, then steady reconciles.
     let names: Vec<String> = (0..100).map(|i| format!("small-{i}")).collect();
     for (i, name) in names.iter().enumerate() {
-        let mut job = gang_job(name, "bench", 2).unwrap();
+        let mut job = gang_job(name, "bench", 2, false).unwrap();
         job.spec.generation.engines = 2;
         insert_job(&store, job, &format!("small-uid-{i}"));
     }
@@ -203,7 +203,7 @@ async fn offline_reconcile_costs_and_memory() {
     let mut create = Vec::new();
     for round in 0..20 {
         let name = format!("gang-{round}");
-        let job = insert_job(&store, gang_job(&name, "bench", 64).unwrap(), &format!("job-uid-{round}"));
+        let job = insert_job(&store, gang_job(&name, "bench", 64, false).unwrap(), &format!("job-uid-{round}"));
         let before = store.lock().unwrap().requests;
         let started = Instant::now();
         reconcile(Arc::new(job), ctx.clone()).await.unwrap();
@@ -223,7 +223,7 @@ async fn offline_reconcile_costs_and_memory() {
 
 #[test]
 fn the_benchmark_jobs_have_the_sizes_it_reports() {
-    let mut job = gang_job("gang", "bench", 64).unwrap();
+    let mut job = gang_job("gang", "bench", 64, false).unwrap();
     job.metadata.uid = Some("uid".into());
     let d = rlplane_operator::desired::desired(&job, 0, &OperatorConfig::default()).unwrap();
     assert_eq!(d.pods.len(), 64);
@@ -232,10 +232,10 @@ fn the_benchmark_jobs_have_the_sizes_it_reports() {
         let selector = spec.node_selector.as_ref().expect("benchmark pods never schedule");
         assert_eq!(selector.get(rlplane_operator::bench::UNSCHEDULABLE_LABEL.0).map(String::as_str), Some("none"));
     }
-    let mut small = gang_job("small", "bench", 2).unwrap();
+    let mut small = gang_job("small", "bench", 2, false).unwrap();
     small.spec.generation.engines = 2;
     small.metadata.uid = Some("uid".into());
     assert_eq!(rlplane_operator::desired::desired(&small, 0, &OperatorConfig::default()).unwrap().pods.len(), 3);
-    let odd = gang_job("odd", "bench", 63).unwrap_err().to_string();
+    let odd = gang_job("odd", "bench", 63, false).unwrap_err().to_string();
     assert!(odd.contains("--pods must be even"), "{odd}");
 }
