@@ -33,6 +33,10 @@ pub const POD_CONCURRENCY: usize = 16;
 pub const ERROR_BACKOFF_MIN: Duration = Duration::from_secs(2);
 /// Longest wait between retries after errors.
 pub const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// A job's objects (ServiceAccount, Role, RoleBinding, Service, ConfigMap, PodGroup) unchanged
+/// since the last apply are applied again only after this long: a reconcile that changes nothing
+/// then makes no write at all, and drift (an object edited or deleted by hand) is still repaired.
+pub const OBJECT_RESYNC: Duration = Duration::from_secs(300);
 
 /// Where "now" comes from: the system clock, or a fixed time in tests.
 #[derive(Clone, Copy, Debug)]
@@ -67,13 +71,54 @@ pub struct Context {
     pub clock: Clock,
     /// Consecutive errors per job (namespace/name), for exponential backoff.
     errors: Mutex<HashMap<String, u32>>,
+    /// Per job uid: the fingerprint of the objects last applied, and when.
+    applied: Mutex<HashMap<String, (u64, Instant)>>,
 }
 
 impl Context {
     /// A context.
     pub fn new(client: Client, config: OperatorConfig, recorder: Recorder, metrics: Metrics, clock: Clock) -> Self {
-        Context { client, config, recorder, metrics, clock, errors: Mutex::new(HashMap::new()) }
+        Context {
+            client,
+            config,
+            recorder,
+            metrics,
+            clock,
+            errors: Mutex::new(HashMap::new()),
+            applied: Mutex::new(HashMap::new()),
+        }
     }
+
+    /// Whether `job`'s objects with `fingerprint` were applied less than [`OBJECT_RESYNC`] ago.
+    fn applied_recently(&self, job: &RLJob, fingerprint: u64) -> bool {
+        let uid = job.uid().unwrap_or_default();
+        self.applied
+            .lock()
+            .is_ok_and(|m| m.get(&uid).is_some_and(|(f, at)| *f == fingerprint && at.elapsed() < OBJECT_RESYNC))
+    }
+
+    fn record_applied(&self, job: &RLJob, fingerprint: Option<u64>) {
+        if let Ok(mut m) = self.applied.lock() {
+            // Entries of deleted jobs age out here.
+            m.retain(|_, (_, at)| at.elapsed() < 2 * OBJECT_RESYNC);
+            let uid = job.uid().unwrap_or_default();
+            match fingerprint {
+                Some(f) => m.insert(uid, (f, Instant::now())),
+                None => m.remove(&uid),
+            };
+        }
+    }
+}
+
+/// A fingerprint of the objects of `d` (pods excluded), stable within this process: equal
+/// fingerprints mean identical objects to apply.
+fn objects_fingerprint(d: &Desired) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut objects = d.clone();
+    objects.pods = Vec::new();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    format!("{objects:?}").hash(&mut h);
+    h.finish()
 }
 
 fn key(job: &RLJob) -> String {
@@ -167,12 +212,22 @@ async fn reconcile_job(cached: &RLJob, ctx: &Context) -> Result<Action, Error> {
 pub async fn execute(job: &RLJob, decision: &Decision, ctx: &Context) -> Result<(), Error> {
     let ns = job.namespace().ok_or(Error::MissingMetadata("metadata.namespace"))?;
     let name = job.name_any();
+    // Pods about to be created need their ServiceAccount, ConfigMap and Service: apply those
+    // however recently they were.
+    let creating = decision.steps.iter().any(|s| matches!(s, Step::CreatePods(_)));
     for step in &decision.steps {
         match step {
             Step::ApplyObjects(desired) => {
+                let fingerprint = objects_fingerprint(desired);
+                if !creating && ctx.applied_recently(job, fingerprint) {
+                    debug!(job = %key(job), "objects unchanged since the last apply");
+                    continue;
+                }
                 if let Err(e) = apply_objects(&ctx.client, &ns, desired).await {
+                    ctx.record_applied(job, None);
                     return Err(create_failed(job, ctx, e).await);
                 }
+                ctx.record_applied(job, Some(fingerprint));
             }
             Step::CreatePods(pods) => {
                 let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
@@ -190,7 +245,10 @@ pub async fn execute(job: &RLJob, decision: &Decision, ctx: &Context) -> Result<
                 let deletes: Vec<_> = pods.iter().map(|p| delete_pod(&api, &ns, p)).collect();
                 stream::iter(deletes).buffer_unordered(POD_CONCURRENCY).try_collect::<Vec<()>>().await?;
             }
-            Step::DeleteObjects => delete_objects(&ctx.client, &ns, &name).await?,
+            Step::DeleteObjects => {
+                ctx.record_applied(job, None);
+                delete_objects(&ctx.client, &ns, &name).await?
+            }
             Step::DeletePodGroups(gangs) => {
                 for gang in gangs {
                     delete_pod_group(&ctx.client, &ns, &name, *gang).await?;

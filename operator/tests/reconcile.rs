@@ -323,6 +323,27 @@ async fn all_pods_ready_makes_the_job_running() {
 }
 
 #[tokio::test]
+async fn a_reconcile_that_changes_nothing_writes_nothing() {
+    let (ctx, mut api, _) = context(t(20));
+    let (j, ready) = running("rljob-cpu.yaml");
+    // The first reconcile of this operator process applies the objects (nothing else changed).
+    let task = spawn(&j, &ctx);
+    api.get_job(&j).await;
+    api.list_pods(&j, &ready).await;
+    api.apply_objects("grpo-cpu").await;
+    assert_eq!(task.await.unwrap().unwrap(), Action::requeue(RESYNC));
+    api.done();
+    // The next ones only read: the job, fresh, and its pods. No object, pod or status write.
+    for _ in 0..3 {
+        let task = spawn(&j, &ctx);
+        api.get_job(&j).await;
+        api.list_pods(&j, &ready).await;
+        assert_eq!(task.await.unwrap().unwrap(), Action::requeue(RESYNC));
+        api.done();
+    }
+}
+
+#[tokio::test]
 async fn a_failed_pod_restarts_the_gang_with_a_new_epoch() {
     let (ctx, mut api, registry) = context(t(60));
     let (j, mut live) = running("rljob-cpu.yaml");
