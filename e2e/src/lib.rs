@@ -516,6 +516,21 @@ pub fn is_true(job: &RLJob, type_: &str) -> bool {
     job.status.as_ref().is_some_and(|s| rlplane_operator::conditions::is_true(&s.conditions, type_))
 }
 
+/// The notes of the job's GangRestart Events (the Restarting condition says why only while the
+/// restart lasts; the Event stays).
+pub async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(env.client.clone(), &env.namespace);
+    Ok(events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
+        .filter(|e| e.reason.as_deref() == Some("GangRestart"))
+        .filter_map(|e| e.note)
+        .collect())
+}
+
 /// The job's phase, once the operator wrote one.
 pub fn phase_of(job: &RLJob) -> Option<rlplane_api::Phase> {
     job.status.as_ref().map(|s| s.phase)

@@ -125,21 +125,6 @@ async fn record_progress(env: &Env, job: &str, until: impl Fn(&RLJob) -> bool) -
     }
 }
 
-/// The notes of the job's GangRestart Events.
-async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
-    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
-        kube::Api::namespaced(env.client.clone(), &env.namespace);
-    Ok(events
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
-        .filter(|e| e.reason.as_deref() == Some("GangRestart"))
-        .filter_map(|e| e.note)
-        .collect())
-}
-
 /// Who wrote `status.step`: the field manager of the status subresource that owns it.
 fn status_step_manager(job: &RLJob) -> Option<String> {
     job.metadata.managed_fields.iter().flatten().find_map(|m| {
@@ -170,7 +155,7 @@ async fn runs_to_succeeded(file: &str) -> anyhow::Result<()> {
     println!("$ kubectl describe rlj {name}\n{describe}");
 
     let st = job.status.as_ref().unwrap();
-    assert_eq!(st.restarts, 0, "{file}: no gang restart: {:?}", gang_restart_events(&c.env, &name).await?);
+    assert_eq!(st.restarts, 0, "{file}: no gang restart: {:?}", rlplane_e2e::gang_restart_events(&c.env, &name).await?);
     let steps = job.spec.workload.steps as u64;
     assert_eq!(st.step, Some(steps), "{file}: the coordinator reported every step: {st:?}");
     assert!(!progress.is_empty(), "{file}: STEP/REFIT never showed while the job ran");
@@ -219,7 +204,7 @@ async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused(
     let job = c.wait(&name, "a gang restart", |j| epoch_of(j) == 1).await?;
     let st = job.status.as_ref().unwrap();
     assert_eq!(st.restarts, 1);
-    let restarts = gang_restart_events(&c.env, &name).await?;
+    let restarts = rlplane_e2e::gang_restart_events(&c.env, &name).await?;
     assert!(restarts.iter().any(|e| e.contains(&victim)), "the restart names the pod that died: {restarts:?}");
     println!("GangRestart: {restarts:?}");
     c.wait(&name, "Running at epoch 1", |j| epoch_of(j) == 1 && phase_of(j) == Some(Phase::Running)).await?;
