@@ -17,7 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::net::{self, Hello, NetError};
+use crate::net::{self, Hello, JobAuth, NetError};
 
 /// Protocol magic of the control channel.
 pub const MAGIC: [u8; 4] = *b"RCTL";
@@ -220,11 +220,12 @@ pub struct ControlServer {
 }
 
 impl ControlServer {
-    /// Accepts a connection from every rank in `expected` (process names), checking the token.
+    /// Accepts a connection from every rank in `expected` (process names) that proves it holds
+    /// the job epoch's key; refused peers are logged, counted in `auth` and ignored.
     pub async fn accept_all(
         listener: &TcpListener,
         expected: &[String],
-        token: &str,
+        auth: &JobAuth,
         deadline: Instant,
     ) -> Result<ControlServer, ControlError> {
         let index: HashMap<String, usize> = expected.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
@@ -247,7 +248,7 @@ impl ControlServer {
                 }
             };
             net::tune(&stream);
-            let hello = net::accept_hello(&mut stream, MAGIC, VERSION, token, deadline, |h| {
+            let hello = net::accept_hello(&mut stream, auth, MAGIC, VERSION, deadline, |h| {
                 if index.contains_key(&h.peer) {
                     Ok(())
                 } else {
@@ -466,14 +467,14 @@ impl ControlClient {
     /// Connects to the coordinator (retrying until `deadline`) and introduces itself as `name`.
     pub async fn connect(
         addr: &str,
-        token: &str,
+        auth: &JobAuth,
         name: &str,
         deadline: Instant,
     ) -> Result<ControlClient, ControlError> {
         let wrap = |source| ControlError::Net { rank: name.into(), source };
         let mut s = net::connect_retry(addr, deadline, "the coordinator's control channel").await.map_err(wrap)?;
-        let hello = Hello { magic: MAGIC, version: VERSION, token: token.into(), peer: name.into(), extra: vec![] };
-        net::send_hello(&mut s, &hello, deadline, addr).await.map_err(wrap)?;
+        let hello = Hello { magic: MAGIC, version: VERSION, peer: name.into(), extra: vec![] };
+        net::send_hello(&mut s, auth, &hello, deadline, addr).await.map_err(wrap)?;
         let (reader, writer) = s.into_split();
         Ok(ControlClient { reader, writer, buf: Vec::with_capacity(4096), out: Vec::with_capacity(1024) })
     }
@@ -534,6 +535,10 @@ pub fn percentile_us(samples: &[Duration], p: f64) -> f64 {
 mod tests {
     use super::*;
 
+    fn tok() -> JobAuth {
+        JobAuth::new("tok", &[3; rlplane_api::plan::JOB_KEY_LEN])
+    }
+
     #[tokio::test]
     async fn commands_are_acked_done_and_timed() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -543,7 +548,7 @@ mod tests {
         for n in names.clone() {
             let addr = addr.clone();
             tokio::spawn(async move {
-                let mut c = ControlClient::connect(&addr, "tok", &n, deadline).await.unwrap();
+                let mut c = ControlClient::connect(&addr, &tok(), &n, deadline).await.unwrap();
                 c.reply(&Reply::Ready).await.unwrap();
                 while let Some(env) = c.next().await.unwrap() {
                     if env.command == Command::Shutdown {
@@ -557,9 +562,9 @@ mod tests {
         // A stale rank (other epoch's token) is refused and does not count.
         let stale = addr.clone();
         tokio::spawn(async move {
-            let _ = ControlClient::connect(&stale, "old-token", "gen-0", deadline).await;
+            let _ = ControlClient::connect(&stale, &JobAuth::new("old-token", &[2; 32]), "gen-0", deadline).await;
         });
-        let mut s = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
         s.wait_ready(deadline).await.unwrap();
         for step in 0..20 {
             let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
@@ -577,13 +582,13 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         let names = vec!["trainer-1".to_string()];
         tokio::spawn(async move {
-            let mut c = ControlClient::connect(&addr, "tok", "trainer-1", deadline).await.unwrap();
+            let mut c = ControlClient::connect(&addr, &tok(), "trainer-1", deadline).await.unwrap();
             let env = c.next().await.unwrap().unwrap();
             c.reply(&Reply::Failed { seq: env.seq, error: "fan-out peer trainer-3 reset".into() }).await.unwrap();
             let _ = c.next().await.unwrap();
             // Die without answering.
         });
-        let mut s = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
         let e = s.run(&names, Command::Train { step: 0, batch: None }, deadline).await.unwrap_err().to_string();
         assert!(e.contains("trainer-1 failed train: fan-out peer trainer-3 reset"), "{e}");
         let e = s.run(&names, Command::Update { step: 0, seed: 1 }, deadline).await.unwrap_err().to_string();

@@ -36,6 +36,7 @@ use rlplane_api::TqFetch;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
 
 use crate::coordinator::{Observer, Progress, StepRecord};
+use crate::net::Refusals;
 use crate::refit::RefitStats;
 use crate::roles::refit_side::{self, Kind};
 use crate::tq::StorageUnit;
@@ -81,6 +82,13 @@ pub struct PhaseLabels {
 pub struct UnitLabels {
     /// Storage unit id.
     pub unit: String,
+}
+
+/// Label set `{protocol}`: a handshake's protocol magic, e.g. `TQSU`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// The protocol's 4-byte magic.
+    pub protocol: String,
 }
 
 /// Label set `{process}`: a child process of a supervisor.
@@ -548,6 +556,36 @@ impl Collector for StorageGauges {
             capacity.metric_type(),
         )?;
         capacity.encode(metric)
+    }
+}
+
+/// `rlplane_handshake_refused_total{protocol}`: peers this process refused (or that failed to
+/// prove they hold the job epoch's key), by protocol magic (`RCTL` control, `TQCT` transfer-queue
+/// controller, `TQSU` storage unit, `TQFO` fan-out, `RFIT` TCP refit, `RNCL` NCCL rendezvous,
+/// `RIPC` CUDA IPC control), read from the handshakes' [`Refusals`] at scrape time.
+#[derive(Clone, Debug)]
+pub struct HandshakeRefusals(Refusals);
+
+impl HandshakeRefusals {
+    /// Exports `refusals` in `registry`.
+    pub fn register(registry: &mut Registry, refusals: &Refusals) {
+        registry.register_collector(Box::new(HandshakeRefusals(refusals.clone())));
+    }
+}
+
+impl Collector for HandshakeRefusals {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let refused = Family::<ProtocolLabels, Counter>::default();
+        for (protocol, n) in self.0.snapshot() {
+            refused.get_or_create(&ProtocolLabels { protocol }).inc_by(n);
+        }
+        let metric = encoder.encode_descriptor(
+            "handshake_refused",
+            "Handshakes refused: peers of another job or epoch, without the epoch's key, or replaying a handshake.",
+            None,
+            refused.metric_type(),
+        )?;
+        refused.encode(metric)
     }
 }
 

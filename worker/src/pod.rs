@@ -63,15 +63,17 @@ pub fn main(args: WorkerArgs) -> ExitCode {
 pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> {
     let me = plan.process_index(name).with_context(|| format!("process `{name}` is not in the plan"))?;
     if plan.process(me).role == ProcessRole::Coordinator {
+        let auth = crate::net::JobAuth::for_plan(plan)?;
         let (control, tq) = bind_coordinator(plan).await?;
         let mut registry = crate::metrics::JobLabels::of(plan).registry(&[]);
         let metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
+        crate::metrics::HandshakeRefusals::register(&mut registry, auth.refusals());
         let served = crate::metrics::RankMetrics::default().serve(registry).await;
         crate::roles::announce_ready(served.addr());
         let reporter = crate::status::StatusReporter::in_cluster(&plan.job.namespace, &plan.job.name).await;
         let observer = crate::status::ReportingObserver { inner: LogObserver, reporter };
         let observed = crate::metrics::MetricsObserver { inner: &observer, metrics };
-        let record = coordinator::run(plan, control, tq, &observed).await?;
+        let record = coordinator::run(plan, &auth, control, tq, &observed).await?;
         drop(observed);
         // The last step's report goes out before the pod exits.
         if let Some(r) = observer.reporter {

@@ -5,7 +5,9 @@
 //!
 //! Control goes over ZMQ: the sender binds a ROUTER on an `ipc://` socket in the pod's shared
 //! emptyDir; each receiver connects a DEALER. Messages (first byte is the kind):
-//! `H` hello (token, name, plan identity) → `W` welcome / `R` refused; `B` begin (version);
+//! `H` hello (the [`crate::net`] hello: token, name, plan identity, nonce) → `C` challenge (the
+//! sender's nonce and proof of the epoch's key) → `P` proof (the receiver's) → `W` welcome /
+//! `R` refused (either side may refuse, with the reason); `B` begin (version);
 //! `N` new handle (key, 64-byte CUDA IPC handle of an allocation, exported once, opened once and
 //! cached by the receiver); `K` bucket (its pieces as (handle key, offset, length)); `A` bucket
 //! copied (the sender may reuse what it lent); `D` done (version).
@@ -31,6 +33,7 @@ use zeromq::{DealerSocket, RouterSocket, Socket, SocketEvent, SocketRecv, Socket
 use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async};
+use crate::net::{self, JobAuth};
 use crate::refit::memory::{Copy2d, MemorySpace};
 use crate::refit::plan::{PlanIdentity, RefitPlan};
 
@@ -175,7 +178,7 @@ impl IpcTransport {
         receivers: &[String],
         plan: Arc<RefitPlan>,
         mode: IpcMode,
-        token: &str,
+        auth: &JobAuth,
         deadline: Instant,
     ) -> Result<IpcTransport, TransportError> {
         if let Some(path) = endpoint.strip_prefix("ipc://") {
@@ -185,50 +188,8 @@ impl IpcTransport {
         let mut socket = RouterSocket::new();
         socket.bind(endpoint).await.map_err(|e| TransportError::Config(format!("binding {endpoint}: {e}")))?;
         let mut channel = spawn_socket(socket);
-        let identity = plan.identity();
-        let mut joined: Vec<(Bytes, String)> = Vec::new();
-        while joined.len() < receivers.len() {
-            let m = recv(&mut channel, deadline, name, "waiting for IPC receivers").await?;
-            let (id, body) = split_identity(m, name)?;
-            let refuse = |reason: String| msg(vec![id.clone(), Bytes::from_static(b"R"), Bytes::from(reason)]);
-            if body.len() < 4 || body[0].as_ref() != b"H" {
-                let _ = channel.out.send(refuse("expected a hello".into()));
-                continue;
-            }
-            let (their_token, peer) =
-                (String::from_utf8_lossy(&body[1]).into_owned(), String::from_utf8_lossy(&body[2]).into_owned());
-            let verdict = if their_token != token {
-                Err(format!(
-                    "job token `{their_token}` does not match `{token}`: the peer belongs to another job or epoch"
-                ))
-            } else if !receivers.contains(&peer) {
-                Err(format!("`{peer}` is not a receiver of this sender"))
-            } else {
-                match PlanIdentity::decode(&body[3]) {
-                    Some(theirs) if theirs == identity => Ok(()),
-                    Some(theirs) => Err(identity.mismatch("the sender", &theirs, &peer)),
-                    None => Err("malformed plan identity".into()),
-                }
-            };
-            match verdict {
-                Ok(()) => {
-                    // The welcome names this GPU, so a receiver on another GPU can push from it.
-                    let ordinal = (gpu.ordinal() as u32).to_le_bytes();
-                    let _ = channel.out.send(msg(vec![
-                        id.clone(),
-                        Bytes::from_static(b"W"),
-                        Bytes::copy_from_slice(&ordinal),
-                    ]));
-                    if !joined.iter().any(|(_, p)| p == &peer) {
-                        joined.push((id, peer));
-                    }
-                }
-                Err(reason) => {
-                    tracing::warn!(%reason, "refused an IPC receiver");
-                    let _ = channel.out.send(refuse(reason));
-                }
-            }
-        }
+        let ordinal = gpu.ordinal() as u32;
+        let joined = accept_receivers(name, &mut channel, receivers, &plan.identity(), auth, ordinal, deadline).await?;
         Self::new(
             name,
             gpu,
@@ -248,7 +209,7 @@ impl IpcTransport {
         gpu: &Gpu,
         endpoint: &str,
         plan: Arc<RefitPlan>,
-        token: &str,
+        auth: &JobAuth,
         deadline: Instant,
     ) -> Result<IpcTransport, TransportError> {
         let mut socket = DealerSocket::new();
@@ -267,32 +228,7 @@ impl IpcTransport {
             }
         }
         let mut channel = spawn_socket(socket);
-        let hello = msg(vec![
-            Bytes::from_static(b"H"),
-            Bytes::from(token.to_string()),
-            Bytes::from(me.to_string()),
-            Bytes::copy_from_slice(&plan.identity().encode()),
-        ]);
-        channel
-            .out
-            .send(hello)
-            .map_err(|_| TransportError::Closed { peer: endpoint.into(), what: "saying hello".into() })?;
-        let answer = recv(&mut channel, deadline, endpoint, "waiting for the sender's welcome").await?;
-        let sender_gpu = match answer.first().map(|b| b.as_ref()) {
-            Some(b"W") => answer.get(1).filter(|b| b.len() == 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            Some(b"R") => {
-                return Err(TransportError::Refused {
-                    peer: endpoint.into(),
-                    reason: answer.get(1).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default(),
-                });
-            }
-            _ => {
-                return Err(TransportError::Protocol {
-                    peer: endpoint.into(),
-                    detail: "an unexpected answer to hello".into(),
-                });
-            }
-        };
+        let sender_gpu = say_hello(&mut channel, me, endpoint, &plan.identity(), auth, deadline).await?;
         let copier = copier_for(gpu, sender_gpu);
         let state = ReceiverState {
             mapped: HashMap::new(),
@@ -515,6 +451,137 @@ fn copier_for(gpu: &Gpu, sender_gpu: Option<u32>) -> Gpu {
 
 fn st_mapped(st: &ReceiverState, key: u32) -> Option<CUdeviceptr> {
     st.mapped.get(&key).map(|m| m.ptr())
+}
+
+/// Handshake magic of the CUDA IPC control channel (the [`crate::net`] handshake, over ZMQ).
+pub const IPC_MAGIC: [u8; 4] = *b"RIPC";
+const IPC_VERSION: u16 = 1;
+
+/// The sender's side of the handshake: until every one of `receivers` has joined, answers each
+/// `H` hello (token checked) with a `C` challenge, and each `P` proof that checks out — from an
+/// expected receiver with the same plan — with a `W` welcome naming GPU `ordinal`; anything else
+/// gets `R` and the reason, is counted in `auth`'s refusals and changes nothing. Returns the
+/// receivers' ZMQ identities and names.
+async fn accept_receivers(
+    name: &str,
+    channel: &mut Channel,
+    receivers: &[String],
+    identity: &PlanIdentity,
+    auth: &JobAuth,
+    ordinal: u32,
+    deadline: Instant,
+) -> Result<Vec<(Bytes, String)>, TransportError> {
+    let mut joined: Vec<(Bytes, String)> = Vec::new();
+    let mut pending: HashMap<Bytes, (net::Hello, net::ServerChallenge)> = HashMap::new();
+    while joined.len() < receivers.len() {
+        let m = recv(channel, deadline, name, "waiting for IPC receivers").await?;
+        let (id, body) = split_identity(m, name)?;
+        let verdict = match (body.first().map(|b| b.as_ref()), body.get(1)) {
+            (Some(b"H"), Some(hello)) if body.len() == 2 => match auth.open_hello(hello, IPC_MAGIC, IPC_VERSION) {
+                Ok((hello, challenge)) => {
+                    let c = msg(vec![id.clone(), Bytes::from_static(b"C"), Bytes::copy_from_slice(challenge.bytes())]);
+                    let _ = channel.out.send(c);
+                    pending.insert(id, (hello, challenge));
+                    continue;
+                }
+                Err(reason) => Err(reason),
+            },
+            (Some(b"P"), Some(proof)) => match pending.remove(&id) {
+                None => Err("a proof without a hello".to_string()),
+                Some((hello, challenge)) => challenge.verify(auth, proof).and_then(|()| {
+                    let peer = hello.peer;
+                    let checked = if !receivers.contains(&peer) {
+                        Err(format!("`{peer}` is not a receiver of this sender"))
+                    } else {
+                        match PlanIdentity::decode(&hello.extra) {
+                            Some(theirs) if &theirs == identity => Ok(peer.clone()),
+                            Some(theirs) => Err(identity.mismatch("the sender", &theirs, &peer)),
+                            None => Err("malformed plan identity".into()),
+                        }
+                    };
+                    checked.inspect_err(|_| auth.refusals().count(IPC_MAGIC))
+                }),
+            },
+            (Some(b"R"), reason) => {
+                // The receiver refused this sender (it counted that); forget its hello.
+                pending.remove(&id);
+                let reason = reason.map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default();
+                tracing::warn!(%reason, "an IPC receiver refused this sender");
+                continue;
+            }
+            _ => {
+                auth.refusals().count(IPC_MAGIC);
+                Err("expected a hello".to_string())
+            }
+        };
+        match verdict {
+            Ok(peer) => {
+                // The welcome names this GPU, so a receiver on another GPU can push from it.
+                let welcome =
+                    msg(vec![id.clone(), Bytes::from_static(b"W"), Bytes::copy_from_slice(&ordinal.to_le_bytes())]);
+                let _ = channel.out.send(welcome);
+                if !joined.iter().any(|(_, p)| p == &peer) {
+                    joined.push((id, peer));
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(%reason, "refused an IPC receiver");
+                let _ = channel.out.send(msg(vec![id, Bytes::from_static(b"R"), Bytes::from(reason)]));
+            }
+        }
+    }
+    Ok(joined)
+}
+
+/// A receiver's side of the handshake: `H` hello, then — once the sender's `C` challenge proves
+/// it holds the key — `P` proof; returns the sender's GPU from its `W` welcome. A sender without
+/// the key gets `R` and the reason.
+async fn say_hello(
+    channel: &mut Channel,
+    me: &str,
+    endpoint: &str,
+    identity: &PlanIdentity,
+    auth: &JobAuth,
+    deadline: Instant,
+) -> Result<Option<u32>, TransportError> {
+    let hello =
+        net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: me.into(), extra: identity.encode().to_vec() };
+    let ours = auth
+        .client_hello(&hello)
+        .map_err(|e| TransportError::Refused { peer: endpoint.into(), reason: e.to_string() })?;
+    let send = |channel: &mut Channel, frames: Vec<Bytes>| {
+        channel
+            .out
+            .send(msg(frames))
+            .map_err(|_| TransportError::Closed { peer: endpoint.into(), what: "saying hello".into() })
+    };
+    let refused = |answer: &[Bytes]| TransportError::Refused {
+        peer: endpoint.into(),
+        reason: answer.get(1).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default(),
+    };
+    let unexpected =
+        || TransportError::Protocol { peer: endpoint.into(), detail: "an unexpected answer to hello".into() };
+    send(channel, vec![Bytes::from_static(b"H"), Bytes::copy_from_slice(ours.bytes())])?;
+    let answer = recv(channel, deadline, endpoint, "waiting for the sender's challenge").await?;
+    match answer.first().map(|b| b.as_ref()) {
+        Some(b"C") => {}
+        Some(b"R") => return Err(refused(&answer)),
+        _ => return Err(unexpected()),
+    }
+    let proof = match ours.answer(auth, answer.get(1).map(|b| b.as_ref()).unwrap_or_default()) {
+        Ok(p) => p,
+        Err(reason) => {
+            let _ = send(channel, vec![Bytes::from_static(b"R"), Bytes::from(reason.clone())]);
+            return Err(TransportError::Refused { peer: endpoint.into(), reason });
+        }
+    };
+    send(channel, vec![Bytes::from_static(b"P"), Bytes::copy_from_slice(&proof)])?;
+    let answer = recv(channel, deadline, endpoint, "waiting for the sender's welcome").await?;
+    match answer.first().map(|b| b.as_ref()) {
+        Some(b"W") => Ok(answer.get(1).filter(|b| b.len() == 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        Some(b"R") => Err(refused(&answer)),
+        _ => Err(unexpected()),
+    }
 }
 
 fn split_identity(mut m: Vec<Bytes>, name: &str) -> Result<(Bytes, Vec<Bytes>), TransportError> {
