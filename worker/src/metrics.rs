@@ -862,6 +862,28 @@ mod tests {
     }
 
     #[test]
+    fn handshake_refusals_are_counted_by_protocol_at_scrape_time() {
+        let (mut r, _) = rank_registry("0");
+        let refusals = Refusals::default();
+        HandshakeRefusals::register(&mut r, &refusals);
+        assert!(!encode(&r).contains("handshake_refused_total{"), "no series before a refusal");
+        refusals.count(*b"TQSU");
+        refusals.count(*b"TQSU");
+        refusals.count(*b"RNCL");
+        let text = encode(&r);
+        assert!(text.contains("# TYPE rlplane_handshake_refused counter"), "{text}");
+        for (protocol, n) in [("TQSU", 2), ("RNCL", 1)] {
+            let line = text
+                .lines()
+                .find(|l| {
+                    l.starts_with("rlplane_handshake_refused_total{") && l.contains(&format!("protocol=\"{protocol}\""))
+                })
+                .unwrap_or_else(|| panic!("no {protocol} series in\n{text}"));
+            assert!(line.ends_with(&format!(" {n}")) && line.contains("rank=\"0\""), "{line}");
+        }
+    }
+
+    #[test]
     fn merging_keeps_each_family_once_and_ends_with_one_eof() {
         let (a, ma) = rank_registry("0");
         let (b, mb) = rank_registry("1");

@@ -61,7 +61,11 @@ pub enum IpcTicket {
 
 enum Inbound {
     Message(Vec<Bytes>),
+    /// The socket failed.
     Lost(String),
+    /// A peer disconnected: fatal once the group is joined, not while strangers come and go
+    /// during the handshake.
+    Disconnected(String),
 }
 
 /// The ZMQ socket lives in its own task; the transport talks to it through channels, so that
@@ -92,7 +96,7 @@ where
                 },
                 Some(ev) = monitor.next() => {
                     if let SocketEvent::Disconnected(peer) = ev {
-                        let _ = in_tx.send(Inbound::Lost(format!("peer {:?} disconnected", String::from_utf8_lossy(&Bytes::from(peer)))));
+                        let _ = in_tx.send(Inbound::Disconnected(format!("peer {:?} disconnected", String::from_utf8_lossy(&Bytes::from(peer)))));
                     }
                 }
             }
@@ -299,7 +303,7 @@ impl IpcTransport {
         loop {
             let m = match self.channel.inbound.try_recv() {
                 Ok(Inbound::Message(m)) => m,
-                Ok(Inbound::Lost(why)) => {
+                Ok(Inbound::Lost(why) | Inbound::Disconnected(why)) => {
                     return Err(TransportError::Closed { peer: self.name.clone(), what: format!("refitting ({why})") });
                 }
                 Err(mpsc::error::TryRecvError::Empty) => break,
@@ -471,10 +475,34 @@ async fn accept_receivers(
     ordinal: u32,
     deadline: Instant,
 ) -> Result<Vec<(Bytes, String)>, TransportError> {
+    let start = Instant::now();
     let mut joined: Vec<(Bytes, String)> = Vec::new();
     let mut pending: HashMap<Bytes, (net::Hello, net::ServerChallenge)> = HashMap::new();
     while joined.len() < receivers.len() {
-        let m = recv(channel, deadline, name, "waiting for IPC receivers").await?;
+        let m = loop {
+            match tokio::time::timeout_at(deadline, channel.inbound.recv()).await {
+                Ok(Some(Inbound::Message(m))) => break m,
+                // A peer that leaves before it joined (refused, or never speaking) is no
+                // receiver of ours: keep waiting for those.
+                Ok(Some(Inbound::Disconnected(why))) => tracing::debug!(%why, "a peer left the IPC handshake"),
+                Ok(Some(Inbound::Lost(why))) => {
+                    return Err(TransportError::Closed {
+                        peer: name.into(),
+                        what: format!("waiting for IPC receivers ({why})"),
+                    });
+                }
+                Ok(None) => {
+                    return Err(TransportError::Closed { peer: name.into(), what: "waiting for IPC receivers".into() });
+                }
+                Err(_) => {
+                    return Err(TransportError::Timeout {
+                        peer: name.into(),
+                        what: format!("waiting for IPC receivers ({} of {} joined)", joined.len(), receivers.len()),
+                        secs: start.elapsed().as_secs_f64(),
+                    });
+                }
+            }
+        };
         let (id, body) = split_identity(m, name)?;
         let verdict = match (body.first().map(|b| b.as_ref()), body.get(1)) {
             (Some(b"H"), Some(hello)) if body.len() == 2 => match auth.open_hello(hello, IPC_MAGIC, IPC_VERSION) {
@@ -596,7 +624,7 @@ async fn recv(channel: &mut Channel, deadline: Instant, peer: &str, what: &str) 
     let start = Instant::now();
     match tokio::time::timeout_at(deadline, channel.inbound.recv()).await {
         Ok(Some(Inbound::Message(m))) => Ok(m),
-        Ok(Some(Inbound::Lost(why))) => {
+        Ok(Some(Inbound::Lost(why) | Inbound::Disconnected(why))) => {
             Err(TransportError::Closed { peer: peer.into(), what: format!("{what} ({why})") })
         }
         Ok(None) => Err(TransportError::Closed { peer: peer.into(), what: what.into() }),
@@ -659,7 +687,7 @@ impl Transport for IpcTransport {
                     }
                     match tokio::time::timeout_at(deadline, self.channel.inbound.recv()).await {
                         Ok(Some(Inbound::Message(m))) => self.on_receiver_message(m)?,
-                        Ok(Some(Inbound::Lost(why))) => {
+                        Ok(Some(Inbound::Lost(why) | Inbound::Disconnected(why))) => {
                             return Err(TransportError::Closed {
                                 peer: self.name.clone(),
                                 what: format!("waiting for the refit to start ({why})"),
@@ -854,4 +882,139 @@ fn export(gpu: &Gpu, base: CUdeviceptr) -> Result<IpcHandle, GpuError> {
     }
     // SAFETY: initialized by the successful call.
     Ok(IpcHandle(unsafe { h.assume_init() }.reserved.map(|c| c as u8)))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The control channel's handshake over real ZMQ `ipc://` sockets, without a GPU: the same
+    //! attackers as `tests/auth.rs` on the TCP ports, each refused, counted and left out.
+    use super::*;
+    use crate::refit::plan::RefitPlan;
+    use rlplane_api::model::{DType, TensorSpec, TpSplit};
+
+    const CLIENT_LABEL: &[u8] = b"rlplane handshake v1: connecting side\0";
+
+    fn identity() -> PlanIdentity {
+        let m = vec![TensorSpec::with_split("w", DType::Bf16, vec![64, 64], TpSplit::Rows)];
+        RefitPlan::new(&m, 4096, 256).unwrap().identity()
+    }
+
+    fn proof_under(key: &[u8; 32], hello: &[u8], server_nonce: &[u8]) -> Bytes {
+        let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+        let mut ctx = ring::hmac::Context::with_key(&k);
+        for part in [CLIENT_LABEL, &(hello.len() as u32).to_le_bytes(), hello, server_nonce] {
+            ctx.update(part);
+        }
+        Bytes::copy_from_slice(ctx.sign().as_ref())
+    }
+
+    fn deadline() -> Instant {
+        Instant::now() + Duration::from_secs(20)
+    }
+
+    async fn dealer(endpoint: &str) -> Channel {
+        let mut socket = DealerSocket::new();
+        socket.connect(endpoint).await.unwrap();
+        spawn_socket(socket)
+    }
+
+    fn send(channel: &Channel, frames: Vec<Bytes>) {
+        channel.out.send(msg(frames)).unwrap();
+    }
+
+    /// Says `hello` (bytes), answers a challenge with `proof(server_nonce)`; returns the
+    /// sender's final answer.
+    async fn attempt(endpoint: &str, hello: &[u8], proof: impl FnOnce(&[u8]) -> Bytes) -> Vec<Bytes> {
+        let mut c = dealer(endpoint).await;
+        send(&c, vec![Bytes::from_static(b"H"), Bytes::copy_from_slice(hello)]);
+        let answer = recv(&mut c, deadline(), "sender", "the challenge").await.unwrap();
+        if answer[0].as_ref() != b"C" {
+            return answer;
+        }
+        send(&c, vec![Bytes::from_static(b"P"), proof(&answer[1][..net::NONCE_LEN])]);
+        recv(&mut c, deadline(), "sender", "the verdict").await.unwrap()
+    }
+
+    fn refused(answer: &[Bytes]) -> String {
+        assert_eq!(answer[0].as_ref(), b"R", "not refused: {answer:?}");
+        String::from_utf8_lossy(&answer[1]).into_owned()
+    }
+
+    #[tokio::test]
+    async fn the_ipc_sender_admits_only_the_key_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let endpoint = format!("ipc://{}/refit.sock", dir.path().display());
+        let id = identity();
+        let key = JobAuth::generate_key().unwrap();
+        let auth = JobAuth::new(&rlplane_api::job_token("uid", 1), &key);
+        let (old_token, old_key) = (rlplane_api::job_token("uid", 0), JobAuth::generate_key().unwrap());
+        let mut router = RouterSocket::new();
+        router.bind(&endpoint).await.unwrap();
+        let mut channel = spawn_socket(router);
+        let server_auth = auth.clone();
+        let sender = tokio::spawn(async move {
+            let r =
+                accept_receivers("trainer-0", &mut channel, &["gen-0".into()], &id, &server_auth, 3, deadline()).await;
+            r.map(|joined| joined.into_iter().map(|(_, name)| name).collect::<Vec<_>>())
+        });
+        let hello =
+            net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: "gen-0".into(), extra: id.encode().to_vec() };
+
+        // The epoch's token without its key; the previous epoch's token and key; the token with
+        // the previous key.
+        for (token, key) in [
+            (auth.token().to_string(), JobAuth::generate_key().unwrap()),
+            (old_token, old_key),
+            (auth.token().to_string(), old_key),
+        ] {
+            let ours = JobAuth::new(&token, &key).client_hello(&hello).unwrap();
+            let bytes = ours.bytes().to_vec();
+            let reason = refused(&attempt(&endpoint, &bytes, |nonce| proof_under(&key, &bytes, nonce)).await);
+            assert!(reason.contains("did not prove it holds") || reason.contains("another job or epoch"), "{reason}");
+        }
+        // A replay of a valid handshake recorded against another sender of this epoch.
+        let ours = auth.client_hello(&hello).unwrap();
+        let (_, challenge) = auth.open_hello(ours.bytes(), IPC_MAGIC, IPC_VERSION).unwrap();
+        let recorded = Bytes::copy_from_slice(&ours.answer(&auth, challenge.bytes()).unwrap());
+        let reason = refused(&attempt(&endpoint, ours.bytes(), |_| recorded).await);
+        assert!(reason.contains("replayed handshake"), "{reason}");
+        // Anything but a hello.
+        let mut c = dealer(&endpoint).await;
+        send(&c, vec![Bytes::from_static(b"B"), Bytes::from_static(&[0; 8])]);
+        refused(&recv(&mut c, deadline(), "sender", "a refusal").await.unwrap());
+
+        // Every one was counted: three forged proofs, the replay and the stray message.
+        assert_eq!(auth.refusals().snapshot(), vec![("RIPC".to_string(), 5)]);
+        assert!(!sender.is_finished(), "no attacker took gen-0's place");
+
+        // The key holder joins, and learns the sender's GPU.
+        let mut c = dealer(&endpoint).await;
+        let gpu = say_hello(&mut c, "gen-0", &endpoint, &id, &auth, deadline()).await.unwrap();
+        assert_eq!(gpu, Some(3));
+        assert_eq!(sender.await.unwrap().unwrap(), vec!["gen-0"]);
+    }
+
+    #[tokio::test]
+    async fn a_receiver_refuses_a_sender_without_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let endpoint = format!("ipc://{}/refit.sock", dir.path().display());
+        let id = identity();
+        let token = rlplane_api::job_token("uid", 1);
+        let (auth, impostor) = (
+            JobAuth::new(&token, &JobAuth::generate_key().unwrap()),
+            JobAuth::new(&token, &JobAuth::generate_key().unwrap()),
+        );
+        let mut router = RouterSocket::new();
+        router.bind(&endpoint).await.unwrap();
+        let mut channel = spawn_socket(router);
+        let sender = tokio::spawn(async move {
+            accept_receivers("trainer-0", &mut channel, &["gen-0".into()], &id, &impostor, 0, deadline()).await
+        });
+        let mut c = dealer(&endpoint).await;
+        let err = say_hello(&mut c, "gen-0", &endpoint, &id, &auth, deadline()).await.unwrap_err().to_string();
+        assert!(err.contains("the listener did not prove it holds this job epoch's key"), "{err}");
+        assert_eq!(auth.refusals().total(), 1);
+        assert!(!sender.is_finished(), "the impostor got no receiver");
+        sender.abort();
+    }
 }
