@@ -354,3 +354,31 @@ async fn a_listener_without_the_key_is_refused_by_the_connecting_side() {
     server.abort();
     let _ = e.current_key;
 }
+
+#[test]
+fn a_rank_without_its_key_file_stops_naming_the_file_the_secret_and_the_fix() {
+    use rlplane_api::topology::{ClusterAddressing, JobIdentity, build_plan};
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests/rljob-cpu.yaml")).unwrap();
+    let job = rlplane_api::load_rljob(&text).unwrap();
+    let id = JobIdentity { name: "grpo-cpu".into(), namespace: "ml".into(), uid: "uid-1".into(), epoch: 2 };
+    let mut plan =
+        build_plan(&job.spec, &id, &ClusterAddressing { job: "grpo-cpu".into(), namespace: "ml".into() }).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-key");
+    plan.job.key_file = missing.display().to_string();
+    let plan_path = dir.path().join("plan.json");
+    std::fs::write(&plan_path, plan.to_json()).unwrap();
+    for process in ["gen-0", "coordinator"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_rlplane"))
+            .args(["worker", "--plan"])
+            .arg(&plan_path)
+            .args(["--process", process])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{process}: {stderr}");
+        for needle in [missing.display().to_string().as_str(), "grpo-cpu-key-e2", "openssl rand -hex 32"] {
+            assert!(stderr.contains(needle), "{process}: no `{needle}` in {stderr}");
+        }
+    }
+}
