@@ -503,10 +503,14 @@ pub const JOB_KEY_SECRET_KEY: &str = "key";
 /// Path of the epoch's key inside every pod of the job.
 pub const POD_KEY_FILE: &str = "/etc/rlplane-key/key";
 
-/// Name of the Secret holding the key of a job epoch: `<job>-key-e<epoch>`. One per epoch, so a
-/// gang restart gets a new key without ever rewriting the Secret that running pods mount.
-pub fn job_key_secret_name(job: &str, epoch: u32) -> String {
-    format!("{job}-key-e{epoch}")
+/// Name of the Secret holding the key of a job epoch: `<job>-key-<uid>-e<epoch>`, `<uid>` being
+/// the first 8 letters and digits of the RLJob's uid. One per epoch, so a gang restart gets a new
+/// key without ever rewriting the Secret that running pods mount; the uid keeps an RLJob deleted
+/// and created again under its name from meeting the old one's Secret before the garbage
+/// collector removes it.
+pub fn job_key_secret_name(job: &str, uid: &str, epoch: u32) -> String {
+    let uid: String = uid.chars().filter(char::is_ascii_alphanumeric).take(8).collect();
+    format!("{job}-key-{}-e{epoch}", uid.to_ascii_lowercase())
 }
 
 /// The text form of a job key, as it is stored in the Secret and in key files: lowercase hex
@@ -551,7 +555,8 @@ mod key_tests {
         assert!(short.contains("64 hexadecimal characters") && short.contains("found 4"), "{short}");
         let bad = parse_job_key(&format!("zz{}", &text[2..])).unwrap_err();
         assert!(bad.contains("character 1") && !bad.contains(&text[2..]), "{bad}");
-        assert_eq!(job_key_secret_name("grpo", 3), "grpo-key-e3");
+        assert_eq!(job_key_secret_name("grpo", "6F1C9A2B-77aa-4e", 3), "grpo-key-6f1c9a2b-e3");
+        assert_eq!(job_key_secret_name("grpo", "u-1", 0), "grpo-key-u1-e0");
         assert_eq!(POD_KEY_FILE, format!("{POD_KEY_DIR}/{JOB_KEY_SECRET_KEY}"));
     }
 }

@@ -75,9 +75,10 @@ async fn each_epoch_gets_its_own_key_secret_mounted_only_into_its_pods() -> anyh
     // Epoch 0: its Secret, its pods, the plan naming the file, the NetworkPolicy.
     let pods = env.wait_pods(&name, "the epoch-0 gang", STEP, |p| live_of_epoch(p, 0).len() == n).await?;
     let job = env.jobs().get(&name).await?;
-    let first = wait_secret(&secrets, &job_key_secret_name(&name, 0), true).await?.unwrap();
+    let uid = job.uid().unwrap();
+    let first = wait_secret(&secrets, &job_key_secret_name(&name, &uid, 0), true).await?.unwrap();
     let key0 = key_of(&first, &job);
-    assert_mounted_only_into(&live_of_epoch(&pods, 0), &job_key_secret_name(&name, 0));
+    assert_mounted_only_into(&live_of_epoch(&pods, 0), &job_key_secret_name(&name, &uid, 0));
     let plans: Api<ConfigMap> = Api::namespaced(env.client.clone(), &env.namespace);
     let plan = plans.get(&format!("{name}-plan")).await?.data.unwrap().remove(PLAN_KEY).unwrap();
     assert!(plan.contains(POD_KEY_FILE), "the plan names the key file");
@@ -95,14 +96,14 @@ async fn each_epoch_gets_its_own_key_secret_mounted_only_into_its_pods() -> anyh
     env.wait_job(&name, "a gang restart", STEP, |j| epoch(j) == 1).await?;
     let pods =
         env.wait_pods(&name, "the epoch-1 gang only", STEP, |p| live_of_epoch(p, 1).len() == n && p.len() == n).await?;
-    let second = wait_secret(&secrets, &job_key_secret_name(&name, 1), true).await?.unwrap();
+    let second = wait_secret(&secrets, &job_key_secret_name(&name, &uid, 1), true).await?.unwrap();
     let key1 = key_of(&second, &job);
     assert_ne!(key0, key1, "a new epoch, a new key");
-    assert_mounted_only_into(&live_of_epoch(&pods, 1), &job_key_secret_name(&name, 1));
-    wait_secret(&secrets, &job_key_secret_name(&name, 0), false).await?;
+    assert_mounted_only_into(&live_of_epoch(&pods, 1), &job_key_secret_name(&name, &uid, 1));
+    wait_secret(&secrets, &job_key_secret_name(&name, &uid, 0), false).await?;
 
     // The RLJob goes: so does its key.
     env.jobs().delete(&name, &DeleteParams::foreground()).await?;
-    wait_secret(&secrets, &job_key_secret_name(&name, 1), false).await?;
+    wait_secret(&secrets, &job_key_secret_name(&name, &uid, 1), false).await?;
     env.cleanup().await
 }

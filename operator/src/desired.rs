@@ -127,7 +127,7 @@ pub struct Desired {
     pub service: Service,
     /// ConfigMap holding the plan (and no secret: the plan names where the key is mounted).
     pub config_map: ConfigMap,
-    /// `<job>-key-e<epoch>`: the epoch's key Secret, without its data (see
+    /// `<job>-key-<uid>-e<epoch>`: the epoch's key Secret, without its data (see
     /// [`Desired::key_secret_with`]); only this epoch's pods mount it.
     pub key_secret: Secret,
     /// `<job>-ingress`, when `spec.networkPolicy.enabled`.
@@ -222,7 +222,10 @@ pub fn desired(job: &RLJob, epoch: u32, cfg: &OperatorConfig) -> Result<Desired,
     };
 
     let key_secret = Secret {
-        metadata: meta(job_key_secret_name(&name, epoch), BTreeMap::from([(labels::EPOCH.into(), epoch.to_string())])),
+        metadata: meta(
+            job_key_secret_name(&name, &id.uid, epoch),
+            BTreeMap::from([(labels::EPOCH.into(), epoch.to_string())]),
+        ),
         type_: Some("Opaque".into()),
         // Never rewritten in place: a new epoch gets a new Secret, so running pods never see
         // their key change.
@@ -606,7 +609,7 @@ fn pod(
         Volume {
             name: KEY_VOLUME.into(),
             secret: Some(SecretVolumeSource {
-                secret_name: Some(job_key_secret_name(job_name, epoch)),
+                secret_name: Some(job_key_secret_name(job_name, &plan.job.uid, epoch)),
                 items: Some(vec![KeyToPath {
                     key: JOB_KEY_SECRET_KEY.into(),
                     path: JOB_KEY_SECRET_KEY.into(),

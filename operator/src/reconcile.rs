@@ -198,7 +198,7 @@ pub async fn execute(job: &RLJob, decision: &Decision, ctx: &Context) -> Result<
             }
             Step::DeleteObjects => {
                 let epoch = job.status.as_ref().map(|s| s.epoch).unwrap_or(0);
-                delete_objects(&ctx.client, &ns, &name, epoch).await?
+                delete_objects(&ctx.client, &ns, &name, &job.uid().unwrap_or_default(), epoch).await?
             }
             Step::DeletePodGroups(gangs) => {
                 for gang in gangs {
@@ -326,9 +326,9 @@ async fn create_key_secret(client: &Client, ns: &str, d: &Desired) -> Result<(),
         Err(e) if is_code(&e, 409) => return Ok(()),
         Err(e) => return Err(Error::kube("create", format!("Secret {ns}/{name}"), e)),
     }
-    let (job, epoch) = (&d.plan.job.name, d.plan.job.epoch);
-    if let Some(previous) = epoch.checked_sub(1) {
-        delete_named(api, "Secret", ns, &job_key_secret_name(job, previous)).await?;
+    let job = &d.plan.job;
+    if let Some(previous) = job.epoch.checked_sub(1) {
+        delete_named(api, "Secret", ns, &job_key_secret_name(&job.name, &job.uid, previous)).await?;
     }
     Ok(())
 }
@@ -387,13 +387,13 @@ async fn delete_pod_group(client: &Client, ns: &str, job: &str, gang: GangSchedu
         .await
 }
 
-async fn delete_objects(client: &Client, ns: &str, job: &str, epoch: u32) -> Result<(), Error> {
+async fn delete_objects(client: &Client, ns: &str, job: &str, uid: &str, epoch: u32) -> Result<(), Error> {
     let worker = worker_service_account_name(job);
     // The key of the job's last epoch (and of the one before, had its deletion not been reached);
     // the RLJob's deletion collects any other through the owner reference.
     let secrets = Api::<Secret>::namespaced(client.clone(), ns);
     for e in [Some(epoch), epoch.checked_sub(1)].into_iter().flatten() {
-        delete_named(secrets.clone(), "Secret", ns, &job_key_secret_name(job, e)).await?;
+        delete_named(secrets.clone(), "Secret", ns, &job_key_secret_name(job, uid, e)).await?;
     }
     delete_named(Api::<NetworkPolicy>::namespaced(client.clone(), ns), "NetworkPolicy", ns, &network_policy_name(job))
         .await?;

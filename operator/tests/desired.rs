@@ -293,7 +293,8 @@ fn each_epoch_has_its_own_key_secret_mounted_only_into_its_pods_and_never_in_the
     let (a, b) = (desired(&j, 0, &cfg()).unwrap(), desired(&j, 1, &cfg()).unwrap());
     for (d, epoch) in [(&a, 0), (&b, 1)] {
         let s = &d.key_secret;
-        let name = format!("grpo-cpu-key-e{epoch}");
+        // The uid is 0b9e-uid: its first 8 letters and digits.
+        let name = format!("grpo-cpu-key-0b9euid-e{epoch}");
         assert_eq!(s.metadata.name.as_deref(), Some(name.as_str()));
         assert_eq!(s.metadata.namespace.as_deref(), Some("ml"));
         let o = &s.metadata.owner_references.as_ref().unwrap()[0];
@@ -335,7 +336,7 @@ fn user_containers_do_not_get_the_key() {
     for c in &spec.containers {
         assert!(c.volume_mounts.iter().flatten().all(|m| m.name != KEY_VOLUME), "{} mounts the key", c.name);
     }
-    assert_eq!(key_secret_of(&d.pods[0]).as_deref(), Some("llama3-8b-colocated-key-e2"));
+    assert_eq!(key_secret_of(&d.pods[0]).as_deref(), Some("llama3-8b-colocated-key-0b9euid-e2"));
 }
 
 #[test]

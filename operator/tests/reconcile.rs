@@ -184,11 +184,12 @@ impl ApiServer {
             self.expect(Method::POST, &format!("/api/v1/namespaces/{NS}/secrets?&fieldManager=rlplane-operator")).await;
         send.send_response(respond(201, &secret));
         let epoch: u32 = secret["metadata"]["labels"][labels::EPOCH].as_str().unwrap().parse().unwrap();
-        assert_eq!(secret["metadata"]["name"], format!("{job}-key-e{epoch}"));
+        // The uid is 6f1c-uid: its first 8 letters and digits.
+        assert_eq!(secret["metadata"]["name"], format!("{job}-key-6f1cuid-e{epoch}"));
         assert_eq!(secret["immutable"], true);
         if epoch > 0 {
             let (body, send) = self
-                .expect(Method::DELETE, &format!("/api/v1/namespaces/{NS}/secrets/{job}-key-e{}?", epoch - 1))
+                .expect(Method::DELETE, &format!("/api/v1/namespaces/{NS}/secrets/{job}-key-6f1cuid-e{}?", epoch - 1))
                 .await;
             assert_eq!(body["propagationPolicy"], "Background");
             send.send_response(respond(200, &success()));
@@ -448,8 +449,8 @@ async fn suspend_deletes_the_pods_and_resume_recreates_them() {
     api.list_pods(&suspended, &[]).await;
     for uri in [
         // The keys of the last epoch and the one before; the NetworkPolicy.
-        format!("/api/v1/namespaces/{NS}/secrets/grpo-cpu-key-e1?"),
-        format!("/api/v1/namespaces/{NS}/secrets/grpo-cpu-key-e0?"),
+        format!("/api/v1/namespaces/{NS}/secrets/grpo-cpu-key-6f1cuid-e1?"),
+        format!("/api/v1/namespaces/{NS}/secrets/grpo-cpu-key-6f1cuid-e0?"),
         format!("/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/grpo-cpu-ingress?"),
         format!("/api/v1/namespaces/{NS}/services/grpo-cpu-headless?"),
         format!("/api/v1/namespaces/{NS}/configmaps/grpo-cpu-plan?"),

@@ -458,7 +458,7 @@ impl JobAuth {
 
     /// Reads the key of the plan's epoch from [`rlplane_api::plan::JobRef::key_file`].
     pub fn for_plan(plan: &WorkerPlan) -> Result<JobAuth, KeyError> {
-        let secret = rlplane_api::plan::job_key_secret_name(&plan.job.name, plan.job.epoch);
+        let secret = rlplane_api::plan::job_key_secret_name(&plan.job.name, &plan.job.uid, plan.job.epoch);
         Self::load(&plan.job.token, Path::new(&plan.job.key_file), &secret)
     }
 

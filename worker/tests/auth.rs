@@ -377,7 +377,7 @@ fn a_rank_without_its_key_file_stops_naming_the_file_the_secret_and_the_fix() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{process}: {stderr}");
-        for needle in [missing.display().to_string().as_str(), "grpo-cpu-key-e2", "openssl rand -hex 32"] {
+        for needle in [missing.display().to_string().as_str(), "grpo-cpu-key-uid1-e2", "openssl rand -hex 32"] {
             assert!(stderr.contains(needle), "{process}: no `{needle}` in {stderr}");
         }
     }
