@@ -23,8 +23,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use rlplane_api::plan::{
-    JOB_KEY_LEN, JOB_KEY_SECRET_KEY, POD_KEY_DIR, PodEntry, PodRole, ProcessRole, WorkerPlan, encode_job_key,
-    job_key_secret_name,
+    JOB_KEY_LEN, JOB_KEY_SECRET_KEY, KEY_FILE_ENV, POD_KEY_DIR, POD_KEY_FILE, PodEntry, PodRole, ProcessRole,
+    WorkerPlan, encode_job_key, job_key_secret_name,
 };
 use rlplane_api::topology::{
     ClusterAddressing, JobIdentity, POD_IPC_DIR, build_plan, headless_service_name, plan_config_map_name,
@@ -553,6 +553,7 @@ fn pod(
         env_field("RLPLANE_POD", "metadata.name"),
         env_field("RLPLANE_NAMESPACE", "metadata.namespace"),
         EnvVar { name: "RLPLANE_IPC_DIR".into(), value: Some(POD_IPC_DIR.into()), ..Default::default() },
+        EnvVar { name: KEY_FILE_ENV.into(), value: Some(POD_KEY_FILE.into()), ..Default::default() },
     ];
     if let Some(o) = overrides {
         env.extend(o.env.iter().cloned());

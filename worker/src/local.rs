@@ -295,6 +295,8 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
             continue;
         }
         let mut cmd = child_command(&plan_path, &p.name, library.as_deref())?;
+        // This run's key, whatever the calling shell's environment says.
+        cmd.env(rlplane_api::plan::KEY_FILE_ENV, &key_path);
         if let Some(b) = &bases {
             cmd.env(GPU_BASE_ENV, b[p.pod as usize].to_string());
         }

@@ -30,6 +30,10 @@ pub struct WorkerArgs {
     /// Run only this process of the plan (a rank or `coordinator`); used by the supervisor.
     #[arg(long, hide = true)]
     pub process: Option<String>,
+    /// The job epoch's key file, overriding the plan's `job.keyFile` (the operator sets it to
+    /// where the key Secret is mounted).
+    #[arg(long, env = rlplane_api::plan::KEY_FILE_ENV)]
+    pub key_file: Option<PathBuf>,
 }
 
 /// Exit code for a plan or manifest the worker cannot use.
@@ -38,13 +42,16 @@ pub const EXIT_BAD_INPUT: u8 = 2;
 /// Runs `rlplane worker`.
 pub fn main(args: WorkerArgs) -> ExitCode {
     let path = args.plan.display().to_string();
-    let plan = match WorkerPlan::load(&path) {
+    let mut plan = match WorkerPlan::load(&path) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(EXIT_BAD_INPUT);
         }
     };
+    if let Some(key_file) = &args.key_file {
+        plan.job.key_file = key_file.display().to_string();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
     let result = match &args.process {
         Some(name) => rt.block_on(run_one(&plan, name)),

@@ -368,16 +368,21 @@ fn a_rank_without_its_key_file_stops_naming_the_file_the_secret_and_the_fix() {
     plan.job.key_file = missing.display().to_string();
     let plan_path = dir.path().join("plan.json");
     std::fs::write(&plan_path, plan.to_json()).unwrap();
-    for process in ["gen-0", "coordinator"] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_rlplane"))
-            .args(["worker", "--plan"])
-            .arg(&plan_path)
-            .args(["--process", process])
-            .output()
-            .unwrap();
+    // The container's environment (RLPLANE_KEY_FILE, set by the operator) overrides the plan.
+    let elsewhere = dir.path().join("mounted-elsewhere");
+    for (process, env, named) in
+        [("gen-0", None, &missing), ("coordinator", None, &missing), ("gen-0", Some(&elsewhere), &elsewhere)]
+    {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlplane"));
+        cmd.args(["worker", "--plan"]).arg(&plan_path).args(["--process", process]);
+        match env {
+            Some(path) => cmd.env(rlplane_api::plan::KEY_FILE_ENV, path),
+            None => cmd.env_remove(rlplane_api::plan::KEY_FILE_ENV),
+        };
+        let out = cmd.output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{process}: {stderr}");
-        for needle in [missing.display().to_string().as_str(), "grpo-cpu-key-uid1-e2", "openssl rand -hex 32"] {
+        for needle in [named.display().to_string().as_str(), "grpo-cpu-key-uid1-e2", "openssl rand -hex 32"] {
             assert!(stderr.contains(needle), "{process}: no `{needle}` in {stderr}");
         }
     }
