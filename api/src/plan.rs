@@ -1,6 +1,8 @@
 //! The operator→worker wiring contract.
 //!
-//! A [`WorkerPlan`] is everything the workers of one job epoch need: identity and token, the world
+//! A [`WorkerPlan`] is everything the workers of one job epoch need: identity, token and where the
+//! epoch's key is mounted (never the key itself: the plan is a ConfigMap anyone who can read the
+//! job's objects may see), the world
 //! layout, every pod and process with its coordinates and addresses, the refit and fan-out groups
 //! with their rendezvous, the transfer-queue endpoints, and the settings. The operator stores it as
 //! `plan.json` in the job's ConfigMap; every pod runs `rlplane worker --plan /etc/rlplane/plan.json`
@@ -15,8 +17,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::spec::{Device, Mode, ModelSpec, ObservabilitySpec, RefitSpec, TransferQueueSpec, WorkloadSpec};
 
-/// Version of the plan format. A worker refuses a plan of any other version.
-pub const PLAN_FORMAT_VERSION: u32 = 1;
+/// Version of the plan format. A worker refuses a plan of any other version. Version 2 added
+/// [`JobRef::key_file`] (and with it the authenticated handshake), so a worker of version 1 and
+/// one of version 2 cannot be mixed in one job.
+pub const PLAN_FORMAT_VERSION: u32 = 2;
 
 /// Fixed ports inside a pod (cluster mode). Per-process services add the process's local index.
 pub mod ports {
@@ -45,8 +49,13 @@ pub struct JobRef {
     /// Epoch: +1 at every gang restart.
     pub epoch: u32,
     /// Token stamped on every handshake (refit, transfer queue, control): a rank of another epoch
-    /// or job presents another token and is refused. Derived from uid and epoch.
+    /// or job presents another token and is refused. Derived from uid and epoch: an identifier,
+    /// not a secret.
     pub token: String,
+    /// Path of the file holding the epoch's key (see [`parse_job_key`]), which every handshake
+    /// proves possession of. In a cluster it is the Secret [`job_key_secret_name`] mounted at
+    /// [`POD_KEY_FILE`]; `rlplane local` writes a fresh random key into its scratch directory.
+    pub key_file: String,
 }
 
 /// The kind of pod.
@@ -469,8 +478,9 @@ impl WorkerPlan {
 }
 
 /// The token of a job epoch: stamped on every handshake so that a rank of another epoch or job is
-/// refused. It is an identifier, not a secret (it derives from the uid, which anyone who can read
-/// the RLJob can see).
+/// refused with a message that says so. It is an identifier, not a secret (it derives from the
+/// uid, which anyone who can read the RLJob can see): what keeps other pods out is the epoch's key
+/// ([`JobRef::key_file`]), which every handshake proves possession of.
 pub fn job_token(uid: &str, epoch: u32) -> String {
     // FNV-1a 64: stable across Rust versions and platforms, unlike std's hasher.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -479,4 +489,80 @@ pub fn job_token(uid: &str, epoch: u32) -> String {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     format!("e{epoch}-{h:016x}")
+}
+
+/// Bytes in a job epoch's key.
+pub const JOB_KEY_LEN: usize = 32;
+
+/// Directory the epoch's key Secret is mounted at in every pod of the job.
+pub const POD_KEY_DIR: &str = "/etc/rlplane-key";
+
+/// Key (in the Secret's `data`, and so file name under [`POD_KEY_DIR`]) holding the epoch's key.
+pub const JOB_KEY_SECRET_KEY: &str = "key";
+
+/// Path of the epoch's key inside every pod of the job.
+pub const POD_KEY_FILE: &str = "/etc/rlplane-key/key";
+
+/// Environment variable naming the key file; where set (the operator sets it to [`POD_KEY_FILE`]
+/// in the worker container) it overrides [`JobRef::key_file`]. A path in the container's
+/// environment is where whatever runs the container (a kubelet, or a test's stand-in that lays
+/// volumes out elsewhere) says the volume is.
+pub const KEY_FILE_ENV: &str = "RLPLANE_KEY_FILE";
+
+/// Name of the Secret holding the key of a job epoch: `<job>-key-<uid>-e<epoch>`, `<uid>` being
+/// the first 8 letters and digits of the RLJob's uid. One per epoch, so a gang restart gets a new
+/// key without ever rewriting the Secret that running pods mount; the uid keeps an RLJob deleted
+/// and created again under its name from meeting the old one's Secret before the garbage
+/// collector removes it.
+pub fn job_key_secret_name(job: &str, uid: &str, epoch: u32) -> String {
+    let uid: String = uid.chars().filter(char::is_ascii_alphanumeric).take(8).collect();
+    format!("{job}-key-{}-e{epoch}", uid.to_ascii_lowercase())
+}
+
+/// The text form of a job key, as it is stored in the Secret and in key files: lowercase hex
+/// (printable, so `kubectl` and Python peers can read it: `bytes.fromhex(text.strip())`).
+pub fn encode_job_key(key: &[u8; JOB_KEY_LEN]) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Parses a key file's text ([`encode_job_key`]'s form; surrounding whitespace is ignored). The
+/// error says what is wrong with the text, never the text itself.
+pub fn parse_job_key(text: &str) -> Result<[u8; JOB_KEY_LEN], String> {
+    let hex = text.trim();
+    if hex.len() != 2 * JOB_KEY_LEN {
+        return Err(format!(
+            "expected {} hexadecimal characters (a {JOB_KEY_LEN}-byte key), found {} characters",
+            2 * JOB_KEY_LEN,
+            hex.len()
+        ));
+    }
+    let mut key = [0u8; JOB_KEY_LEN];
+    for (i, pair) in hex.as_bytes().chunks(2).enumerate() {
+        let digit = |c: u8| (c as char).to_digit(16);
+        match (digit(pair[0]), digit(pair[1])) {
+            (Some(h), Some(l)) => key[i] = (h * 16 + l) as u8,
+            _ => return Err(format!("character {} is not a hexadecimal digit", 2 * i + 1)),
+        }
+    }
+    Ok(key)
+}
+
+#[cfg(test)]
+mod key_tests {
+    use super::*;
+
+    #[test]
+    fn job_keys_round_trip_and_bad_text_is_named_without_echoing_it() {
+        let key: [u8; JOB_KEY_LEN] = std::array::from_fn(|i| (i * 37 + 5) as u8);
+        let text = encode_job_key(&key);
+        assert_eq!(text.len(), 64);
+        assert_eq!(parse_job_key(&format!("  {text}\n")).unwrap(), key);
+        let short = parse_job_key("abcd").unwrap_err();
+        assert!(short.contains("64 hexadecimal characters") && short.contains("found 4"), "{short}");
+        let bad = parse_job_key(&format!("zz{}", &text[2..])).unwrap_err();
+        assert!(bad.contains("character 1") && !bad.contains(&text[2..]), "{bad}");
+        assert_eq!(job_key_secret_name("grpo", "6F1C9A2B-77aa-4e", 3), "grpo-key-6f1c9a2b-e3");
+        assert_eq!(job_key_secret_name("grpo", "u-1", 0), "grpo-key-u1-e0");
+        assert_eq!(POD_KEY_FILE, format!("{POD_KEY_DIR}/{JOB_KEY_SECRET_KEY}"));
+    }
 }

@@ -80,6 +80,10 @@ pub struct RLJobSpec {
     /// Metrics and traces.
     #[serde(default)]
     pub observability: ObservabilitySpec,
+    /// Who may reach the job's pods: a NetworkPolicy admitting only the job's own pods (and
+    /// Prometheus to the metrics port). On by default.
+    #[serde(default)]
+    pub network_policy: NetworkPolicySpec,
 }
 
 /// Placement of generation relative to the trainer.
@@ -563,6 +567,43 @@ impl Default for ObservabilitySpec {
     fn default() -> Self {
         ObservabilitySpec { metrics_port: default_metrics_port(), otlp_endpoint: None }
     }
+}
+
+/// The job's NetworkPolicy `<job>-ingress`: ingress to the job's pods only from the job's own
+/// pods (every port) and from the metrics scrapers (the metrics port). It needs a network plugin
+/// that enforces NetworkPolicies; the job's handshakes are authenticated either way.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkPolicySpec {
+    /// Create the NetworkPolicy (default true). Set false where another policy governs the
+    /// namespace.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Labels of the pods allowed to scrape the metrics port (default `app.kubernetes.io/name:
+    /// prometheus`, what prometheus-operator puts on Prometheus pods).
+    #[serde(default = "default_metrics_scraper_labels")]
+    pub metrics_scraper_labels: BTreeMap<String, String>,
+    /// Labels of the namespaces those scrapers may run in (default: none given, every namespace).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics_scraper_namespace_labels: BTreeMap<String, String>,
+}
+
+impl Default for NetworkPolicySpec {
+    fn default() -> Self {
+        NetworkPolicySpec {
+            enabled: true,
+            metrics_scraper_labels: default_metrics_scraper_labels(),
+            metrics_scraper_namespace_labels: BTreeMap::new(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_metrics_scraper_labels() -> BTreeMap<String, String> {
+    BTreeMap::from([("app.kubernetes.io/name".into(), "prometheus".into())])
 }
 
 /// Lifecycle phase of an RLJob.

@@ -11,8 +11,8 @@
 //! `g / generation.gpusPerNode`.
 
 use crate::plan::{
-    FanoutGroup, GenerationCoords, JobRef, Layout, PLAN_FORMAT_VERSION, PodEntry, PodRole, ProcessEntry, ProcessPorts,
-    ProcessRole, RefitGroup, StorageUnitEntry, TrainerCoords, WorkerPlan, job_token, ports,
+    FanoutGroup, GenerationCoords, JobRef, Layout, PLAN_FORMAT_VERSION, POD_KEY_FILE, PodEntry, PodRole, ProcessEntry,
+    ProcessPorts, ProcessRole, RefitGroup, StorageUnitEntry, TrainerCoords, WorkerPlan, job_token, ports,
 };
 use crate::spec::{Device, Mode, RLJobSpec, RefitSource, TqPlacement};
 use crate::validate::{ValidationErrors, validate};
@@ -326,6 +326,8 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
             uid: id.uid.clone(),
             epoch: id.epoch,
             token: job_token(&id.uid, id.epoch),
+            // Where the operator mounts the epoch's Secret; `rlplane local` points it at its own.
+            key_file: POD_KEY_FILE.into(),
         },
         mode: spec.mode,
         device: spec.device,

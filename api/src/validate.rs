@@ -303,7 +303,65 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
         );
     }
 
+    // NetworkPolicy: its label selectors must be valid Kubernetes labels, or the policy's apply
+    // fails later, with a message about the NetworkPolicy instead of this field.
+    let np = &spec.network_policy;
+    for (path, labels) in [
+        ("spec.networkPolicy.metricsScraperLabels", &np.metrics_scraper_labels),
+        ("spec.networkPolicy.metricsScraperNamespaceLabels", &np.metrics_scraper_namespace_labels),
+    ] {
+        for (k, v) in labels {
+            if !is_label_key(k) {
+                c.err(
+                    path,
+                    format!(
+                        "`{k}` is not a label key: use [prefix/]name, name at most 63 letters, digits, '-', '_' or '.' starting and ending with a letter or digit (e.g. app.kubernetes.io/name)"
+                    ),
+                );
+            } else if !is_label_value(v) {
+                c.err(
+                    path,
+                    format!(
+                        "the value `{v}` of `{k}` is not a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit (e.g. prometheus)"
+                    ),
+                );
+            }
+        }
+    }
+
     c.finish()
+}
+
+/// A label value: empty, or at most 63 of `[A-Za-z0-9._-]`, alphanumeric at both ends.
+fn is_label_value(v: &str) -> bool {
+    let b = v.as_bytes();
+    v.is_empty()
+        || (b.len() <= 63
+            && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric())
+}
+
+/// A label key: `[prefix/]name`, the prefix a DNS subdomain (at most 253), the name a non-empty
+/// label value.
+fn is_label_key(k: &str) -> bool {
+    let (prefix, name) = match k.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, k),
+    };
+    let prefix_ok = prefix.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.split('.').all(|part| {
+                let b = part.as_bytes();
+                !b.is_empty()
+                    && b.len() <= 63
+                    && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+                    && b[0] != b'-'
+                    && b[b.len() - 1] != b'-'
+            })
+    });
+    prefix_ok && !name.is_empty() && is_label_value(name)
 }
 
 fn validate_model(spec: &RLJobSpec, c: &mut Collector) {
@@ -378,5 +436,26 @@ fn validate_model(spec: &RLJobSpec, c: &mut Collector) {
                 tensors.len()
             ),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{is_label_key, is_label_value};
+
+    #[test]
+    fn label_keys_and_values_follow_kubernetes() {
+        for ok in ["app", "app.kubernetes.io/name", "kubernetes.io/metadata.name", "a_b-c.d", "A9"] {
+            assert!(is_label_key(ok), "{ok}");
+        }
+        for bad in ["", "/name", "-app", "app-", "Example.com/x", "a/b/c", "x/", &"n".repeat(64)] {
+            assert!(!is_label_key(bad), "{bad}");
+        }
+        for ok in ["", "prometheus", "kube-prometheus-stack", "v1.2_3"] {
+            assert!(is_label_value(ok), "{ok}");
+        }
+        for bad in ["prometheus server", "-x", "x.", &"v".repeat(64)] {
+            assert!(!is_label_value(bad), "{bad}");
+        }
     }
 }

@@ -4,7 +4,9 @@
 //! header names. Header lines of an invalid manifest:
 //!   `# expect: <text>`: `load_rljob` must fail with a message containing it;
 //!   `# crd: rejects`: the CRD's schema or CEL rules must refuse it as well;
-//!   `# crd: accepts`: only `validate()` can see the problem (it depends on a preset's tensors);
+//!   `# crd: accepts`: only `validate()` can see the problem (it depends on a preset's tensors, or
+//!     on label syntax inside a map, which a CEL rule could only check at a cost the apiserver's
+//!     budget for unbounded maps refuses);
 //!   `# crd: list-map`: the apiserver refuses it through `x-kubernetes-list-map-keys`, which no
 //!     offline validator implements; the test checks the CRD declares that key;
 //!   `# crd: pruned`: the apiserver would prune the unknown field; `load_rljob` refuses it.

@@ -302,7 +302,9 @@ fn plan_round_trips_through_json_and_refuses_other_versions() {
         }
         other => panic!("expected a version error, got {other:?}"),
     }
-    let err = WorkerPlan::from_json("plan.json", "{\"formatVersion\": 1}").unwrap_err().to_string();
+    let err = WorkerPlan::from_json("plan.json", &format!("{{\"formatVersion\": {PLAN_FORMAT_VERSION}}}"))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("not a valid plan"), "{err}");
 }
 
@@ -316,6 +318,8 @@ fn the_token_is_stamped_with_the_epoch() {
     assert_eq!(p1.job.token, job_token("uid-1", 1));
     assert_ne!(job_token("uid-1", 1), job_token("uid-2", 1));
     assert!(p1.job.token.starts_with("e1-"));
+    // The plan says where the epoch's key is mounted, never the key.
+    assert_eq!(p1.job.key_file, rlplane_api::plan::POD_KEY_FILE);
 }
 
 #[test]

@@ -531,6 +531,22 @@ pub async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<Str
         .collect())
 }
 
+/// Waits (at most 30 s: the Event is published after the status that bumps the epoch) until a
+/// GangRestart Event of the job names `pod`; returns every GangRestart note.
+pub async fn wait_gang_restart_naming(env: &Env, job: &str, pod: &str) -> anyhow::Result<Vec<String>> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let notes = gang_restart_events(env, job).await?;
+        if notes.iter().any(|n| n.contains(pod)) {
+            return Ok(notes);
+        }
+        if Instant::now() > deadline {
+            bail!("RLJob {job}: no GangRestart Event names {pod} within 30 s: {notes:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The job's phase, once the operator wrote one.
 pub fn phase_of(job: &RLJob) -> Option<rlplane_api::Phase> {
     job.status.as_ref().map(|s| s.phase)

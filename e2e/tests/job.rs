@@ -198,19 +198,26 @@ async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused(
     let pod_dir = c.agent.pod_dir(&victim).context("the victim pod runs")?;
     let old_plan = c.dir.join("epoch-0-plan.json");
     std::fs::copy(pod_dir.join("vol/plan/plan.json"), &old_plan).context("the pod's mounted plan")?;
+    // And its key: the stale rank holds everything its epoch had.
+    let old_key = c.dir.join("epoch-0-key");
+    let mounted_key = std::fs::read_dir(pod_dir.join("vol"))?
+        .flatten()
+        .map(|v| v.path().join(rlplane_api::plan::JOB_KEY_SECRET_KEY))
+        .find(|k| k.is_file())
+        .context("the pod's mounted key Secret")?;
+    std::fs::copy(mounted_key, &old_key)?;
     assert!(c.agent.signal(&victim, libc::SIGKILL), "{victim} was running");
     println!("killed the processes of {victim} (SIGKILL)");
 
     let job = c.wait(&name, "a gang restart", |j| epoch_of(j) == 1).await?;
     let st = job.status.as_ref().unwrap();
     assert_eq!(st.restarts, 1);
-    let restarts = rlplane_e2e::gang_restart_events(&c.env, &name).await?;
-    assert!(restarts.iter().any(|e| e.contains(&victim)), "the restart names the pod that died: {restarts:?}");
+    let restarts = rlplane_e2e::wait_gang_restart_naming(&c.env, &name, &victim).await?;
     println!("GangRestart: {restarts:?}");
     c.wait(&name, "Running at epoch 1", |j| epoch_of(j) == 1 && phase_of(j) == Some(Phase::Running)).await?;
 
     // A process of the old epoch tries to rejoin: the new gang refuses its handshake.
-    let stale = stale_rank(&c, &old_plan, &victim)?;
+    let stale = stale_rank(&c, &old_plan, &old_key, &victim)?;
     println!("the epoch-0 rank that tried to rejoin: {stale}");
     assert!(stale.contains("does not match") || stale.contains("refused"), "{stale}");
 
@@ -220,10 +227,10 @@ async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused(
     c.env.cleanup().await
 }
 
-/// Runs one rank of the old plan (the generation rank of `pod`) against the new epoch's gang, as
-/// the node agent would have run it, and returns what it printed once it exited. It must exit
-/// with an error.
-fn stale_rank(c: &Cluster, old_plan: &Path, pod: &str) -> anyhow::Result<String> {
+/// Runs one rank of the old plan (the generation rank of `pod`, with its epoch's key) against the
+/// new epoch's gang, as the node agent would have run it, and returns what it printed once it
+/// exited. It must exit with an error.
+fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> anyhow::Result<String> {
     let plan: rlplane_api::WorkerPlan = serde_json::from_str(&std::fs::read_to_string(old_plan)?)?;
     let pod_index = plan.pods.iter().position(|p| p.name == pod).context("the old plan names the pod")?;
     let process = plan
@@ -236,6 +243,7 @@ fn stale_rank(c: &Cluster, old_plan: &Path, pod: &str) -> anyhow::Result<String>
     std::fs::create_dir_all(&ipc)?;
     let out = Command::new(worker_binary()?)
         .args(["worker", "--plan", old_plan.to_str().unwrap(), "--process", &process])
+        .args(["--key-file", old_key.to_str().unwrap()])
         .env(rlplane::pod::HOST_ALIASES_ENV, c.agent.hosts_file())
         // An address of its own: the new pod of the same name holds the old one's.
         .env(rlplane::pod::BIND_HOST_ENV, c.agent.reserve_address("stale-rank"))

@@ -7,13 +7,15 @@
 
 use std::time::Duration;
 
+use anyhow::Context as _;
+
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use rlplane_api::{GangScheduler, Phase, RLJob};
 use rlplane_e2e::{
-    Env, client_with_token, condition, coordinator, epoch_of, gang_restart_events, is_true, live_of_epoch, namespace,
-    phase_of, service_account_token, workspace,
+    Env, client_with_token, condition, coordinator, epoch_of, is_true, live_of_epoch, namespace, phase_of,
+    service_account_token, wait_gang_restart_naming, workspace,
 };
 use rlplane_operator::cluster::{OperatorProcess, operator_binary};
 use rlplane_operator::conditions::{FAILED, PODS_CREATED, PODS_READY, RUNNING, SUCCEEDED, SUSPENDED};
@@ -98,8 +100,7 @@ async fn lifecycle(env: &Env, file: &str) -> anyhow::Result<()> {
     let st = job.status.as_ref().unwrap();
     assert_eq!(st.restarts, 1, "{file}");
     // The Restarting condition names the pod only while the restart lasts; the Event stays.
-    let restarts = gang_restart_events(env, &name).await?;
-    assert!(restarts.iter().any(|m| m.contains(&victim.name_any())), "{file}: {restarts:?}");
+    wait_gang_restart_naming(env, &name, &victim.name_any()).await.with_context(|| file.to_string())?;
     env.wait_pods(&name, "the epoch-1 gang only", STEP, |p| live_of_epoch(p, 1).len() == n && p.len() == n).await?;
     env.ready_all(&name, 1, n).await?;
     env.wait_job(&name, "Running at epoch 1", STEP, |j| phase_of(j) == Some(Phase::Running) && epoch_of(j) == 1)

@@ -1,22 +1,31 @@
 //! The desired state of an RLJob epoch, computed by pure functions from the spec: the worker's
-//! ServiceAccount, Role and RoleBinding, the headless Service, the plan ConfigMap, every Pod, and
-//! the gang scheduler's PodGroup. No I/O here; the controller applies the result with server-side
-//! apply.
+//! ServiceAccount, Role and RoleBinding, the headless Service, the plan ConfigMap, the epoch's key
+//! Secret (its metadata; the random key is the caller's), the NetworkPolicy, every Pod, and the
+//! gang scheduler's PodGroup. No I/O here; the controller applies the result with server-side
+//! apply (the Secret it creates once per epoch).
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, PodSpec, Probe, ResourceRequirements, Service, ServiceAccount,
-    ServicePort, ServiceSpec, Volume, VolumeMount,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, PodSpec, Probe, ResourceRequirements, Secret,
+    SecretVolumeSource, Service, ServiceAccount, ServicePort, ServiceSpec, Volume, VolumeMount,
+};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Resource;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
-use rlplane_api::plan::{PodEntry, PodRole, ProcessRole, WorkerPlan};
+use rlplane_api::plan::{
+    JOB_KEY_LEN, JOB_KEY_SECRET_KEY, KEY_FILE_ENV, POD_KEY_DIR, POD_KEY_FILE, PodEntry, PodRole, ProcessRole,
+    WorkerPlan, encode_job_key, job_key_secret_name,
+};
 use rlplane_api::topology::{
     ClusterAddressing, JobIdentity, POD_IPC_DIR, build_plan, headless_service_name, plan_config_map_name,
 };
@@ -57,6 +66,9 @@ pub const FIELD_MANAGER: &str = "rlplane-operator";
 pub const PLAN_KEY: &str = "plan.json";
 /// Where the plan is mounted in the worker container.
 pub const PLAN_MOUNT: &str = "/etc/rlplane";
+/// Name of the pod volume holding the epoch's key (user containers that speak the transfer-queue
+/// protocol may mount it too).
+pub const KEY_VOLUME: &str = "job-key";
 /// Name of the worker container (or native sidecar).
 pub const WORKER_CONTAINER: &str = "rlplane-worker";
 /// ConfigMaps hold at most 1 MiB.
@@ -113,8 +125,13 @@ pub struct Desired {
     pub role_binding: RoleBinding,
     /// Headless Service giving pods stable DNS names.
     pub service: Service,
-    /// ConfigMap holding the plan.
+    /// ConfigMap holding the plan (and no secret: the plan names where the key is mounted).
     pub config_map: ConfigMap,
+    /// `<job>-key-<uid>-e<epoch>`: the epoch's key Secret, without its data (see
+    /// [`Desired::key_secret_with`]); only this epoch's pods mount it.
+    pub key_secret: Secret,
+    /// `<job>-ingress`, when `spec.networkPolicy.enabled`.
+    pub network_policy: Option<NetworkPolicy>,
     /// Every pod, trainer pods first.
     pub pods: Vec<Pod>,
     /// The gang scheduler's PodGroup, when `scheduling.gang` asks for one.
@@ -204,10 +221,95 @@ pub fn desired(job: &RLJob, epoch: u32, cfg: &OperatorConfig) -> Result<Desired,
         ),
     };
 
+    let key_secret = Secret {
+        metadata: meta(
+            job_key_secret_name(&name, &id.uid, epoch),
+            BTreeMap::from([(labels::EPOCH.into(), epoch.to_string())]),
+        ),
+        type_: Some("Opaque".into()),
+        // Never rewritten in place: a new epoch gets a new Secret, so running pods never see
+        // their key change.
+        immutable: Some(true),
+        ..Default::default()
+    };
+    let network_policy = job.spec.network_policy.enabled.then(|| network_policy(job, &name, &meta));
+
     let pod_group = pod_group(job, &name, &namespace, &owner, plan.pods.len());
     let hash = spec_hash(&job.spec);
     let pods = (0..plan.pods.len()).map(|i| pod(job, &plan, i, epoch, cfg, &owner, &hash, &meta)).collect();
-    Ok(Desired { plan, service_account, role, role_binding, service, config_map, pods, pod_group })
+    Ok(Desired {
+        plan,
+        service_account,
+        role,
+        role_binding,
+        service,
+        config_map,
+        key_secret,
+        network_policy,
+        pods,
+        pod_group,
+    })
+}
+
+impl Desired {
+    /// The epoch's key Secret holding `key` (64 hex characters under `key`), to create once per
+    /// epoch. The key is an argument so that this stays pure: the controller draws it from the
+    /// operating system's random source.
+    pub fn key_secret_with(&self, key: &[u8; JOB_KEY_LEN]) -> Secret {
+        let mut s = self.key_secret.clone();
+        s.data = Some(BTreeMap::from([(JOB_KEY_SECRET_KEY.into(), ByteString(encode_job_key(key).into_bytes()))]));
+        s
+    }
+}
+
+/// Name of the job's NetworkPolicy.
+pub fn network_policy_name(job: &str) -> String {
+    format!("{job}-ingress")
+}
+
+/// The job's NetworkPolicy: its pods admit ingress from the job's own pods on every port, and
+/// from the metrics scrapers on the metrics port; nothing else.
+fn network_policy(
+    job: &RLJob,
+    name: &str,
+    meta: &dyn Fn(String, BTreeMap<String, String>) -> ObjectMeta,
+) -> NetworkPolicy {
+    let np = &job.spec.network_policy;
+    let own_pods = LabelSelector { match_labels: Some(selector_labels(name)), ..Default::default() };
+    let scrapers = NetworkPolicyPeer {
+        pod_selector: Some(LabelSelector {
+            match_labels: Some(np.metrics_scraper_labels.clone()).filter(|l| !l.is_empty()),
+            ..Default::default()
+        }),
+        // A namespace selector (empty: every namespace) so that Prometheus may run elsewhere.
+        namespace_selector: Some(LabelSelector {
+            match_labels: Some(np.metrics_scraper_namespace_labels.clone()).filter(|l| !l.is_empty()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    NetworkPolicy {
+        metadata: meta(network_policy_name(name), BTreeMap::new()),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(own_pods.clone()),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![
+                NetworkPolicyIngressRule {
+                    from: Some(vec![NetworkPolicyPeer { pod_selector: Some(own_pods), ..Default::default() }]),
+                    ports: None,
+                },
+                NetworkPolicyIngressRule {
+                    from: Some(vec![scrapers]),
+                    ports: Some(vec![NetworkPolicyPort {
+                        port: Some(IntOrString::Int(job.spec.observability.metrics_port as i32)),
+                        protocol: Some("TCP".into()),
+                        ..Default::default()
+                    }]),
+                },
+            ]),
+            ..Default::default()
+        }),
+    }
 }
 
 /// Name of the job's worker ServiceAccount, Role and RoleBinding.
@@ -225,12 +327,14 @@ fn template_service_accounts(job: &RLJob) -> Vec<String> {
 }
 
 /// Hash of the part of the spec that shapes pods, the plan and the PodGroup: everything except
-/// `runPolicy` (deadlines, TTL, backoff and suspend change no pod) and `scheduling.queueName`
-/// (Kueue's business). FNV-1a 64 over the JSON form: stable across Rust versions and platforms.
+/// `runPolicy` (deadlines, TTL, backoff and suspend change no pod), `scheduling.queueName`
+/// (Kueue's business) and `networkPolicy` (applied in place). FNV-1a 64 over the JSON form: stable across Rust versions and platforms.
 pub fn spec_hash(spec: &RLJobSpec) -> String {
     let mut shaping = spec.clone();
     shaping.run_policy = RunPolicy::default();
     shaping.scheduling.queue_name = None;
+    // The NetworkPolicy is applied in place; it shapes no pod.
+    shaping.network_policy = Default::default();
     let bytes = serde_json::to_vec(&shaping).unwrap_or_default();
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {
@@ -449,12 +553,20 @@ fn pod(
         env_field("RLPLANE_POD", "metadata.name"),
         env_field("RLPLANE_NAMESPACE", "metadata.namespace"),
         EnvVar { name: "RLPLANE_IPC_DIR".into(), value: Some(POD_IPC_DIR.into()), ..Default::default() },
+        EnvVar { name: KEY_FILE_ENV.into(), value: Some(POD_KEY_FILE.into()), ..Default::default() },
     ];
     if let Some(o) = overrides {
         env.extend(o.env.iter().cloned());
     }
     let mut mounts = vec![
         VolumeMount { name: "plan".into(), mount_path: PLAN_MOUNT.into(), read_only: Some(true), ..Default::default() },
+        // The epoch's key: only the worker container of this epoch's pods mounts it.
+        VolumeMount {
+            name: KEY_VOLUME.into(),
+            mount_path: POD_KEY_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        },
         VolumeMount { name: "ipc".into(), mount_path: POD_IPC_DIR.into(), ..Default::default() },
         VolumeMount { name: "dshm".into(), mount_path: "/dev/shm".into(), ..Default::default() },
     ];
@@ -491,6 +603,22 @@ fn pod(
             config_map: Some(ConfigMapVolumeSource {
                 name: plan_config_map_name(job_name),
                 items: Some(vec![KeyToPath { key: PLAN_KEY.into(), path: PLAN_KEY.into(), ..Default::default() }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        Volume {
+            name: KEY_VOLUME.into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(job_key_secret_name(job_name, &plan.job.uid, epoch)),
+                items: Some(vec![KeyToPath {
+                    key: JOB_KEY_SECRET_KEY.into(),
+                    path: JOB_KEY_SECRET_KEY.into(),
+                    ..Default::default()
+                }]),
+                // Readable in the container whatever uid it runs as (the worker image's 65532, a
+                // user's image); nothing outside the pod sees the volume.
+                default_mode: Some(0o444),
                 ..Default::default()
             }),
             ..Default::default()

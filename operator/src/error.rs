@@ -32,12 +32,23 @@ pub enum Error {
     /// The RLJob lacks metadata only the API server sets (it was not read from one).
     #[error("the RLJob has no {0}; it must come from the API server")]
     MissingMetadata(&'static str),
+    /// The operating system's random source failed (drawing an epoch's key).
+    #[error("the system random source failed drawing {0}")]
+    Random(&'static str),
 }
 
 impl Error {
     /// Every value [`Error::kind`] returns.
-    pub const KINDS: [&'static str; 7] =
-        ["conflict", "forbidden", "invalid", "api", "transport", "gang_scheduler_missing", "missing_metadata"];
+    pub const KINDS: [&'static str; 8] = [
+        "conflict",
+        "forbidden",
+        "invalid",
+        "api",
+        "transport",
+        "gang_scheduler_missing",
+        "missing_metadata",
+        "random",
+    ];
 
     /// A short, bounded label for metrics (`rlplane_operator_reconcile_errors_total{error}`).
     pub fn kind(&self) -> &'static str {
@@ -51,6 +62,7 @@ impl Error {
             },
             Error::GangSchedulerMissing { .. } => "gang_scheduler_missing",
             Error::MissingMetadata(_) => "missing_metadata",
+            Error::Random(_) => "random",
         }
     }
 

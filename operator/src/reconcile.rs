@@ -7,15 +7,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, Preconditions,
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+    Preconditions,
 };
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
+use ring::rand::SecureRandom;
+use rlplane_api::plan::{JOB_KEY_LEN, job_key_secret_name};
 use rlplane_api::topology::{headless_service_name, plan_config_map_name};
 use rlplane_api::{GangScheduler, Phase, RLJob, RLJobStatus};
 use serde::Serialize;
@@ -23,7 +27,9 @@ use serde::de::DeserializeOwned;
 use tracing::{debug, info, warn};
 
 use crate::decide::{self, Decision, JobEvent, PodRef, Step};
-use crate::desired::{Desired, FIELD_MANAGER, OperatorConfig, labels, pod_group_name, worker_service_account_name};
+use crate::desired::{
+    Desired, FIELD_MANAGER, OperatorConfig, labels, network_policy_name, pod_group_name, worker_service_account_name,
+};
 use crate::error::{Error, is_code};
 use crate::metrics::{ErrorLabels, Metrics, PhaseLabels, ReasonLabels};
 
@@ -247,7 +253,8 @@ pub async fn execute(job: &RLJob, decision: &Decision, ctx: &Context) -> Result<
             }
             Step::DeleteObjects => {
                 ctx.record_applied(job, None);
-                delete_objects(&ctx.client, &ns, &name).await?
+                let epoch = job.status.as_ref().map(|s| s.epoch).unwrap_or(0);
+                delete_objects(&ctx.client, &ns, &name, &job.uid().unwrap_or_default(), epoch).await?
             }
             Step::DeletePodGroups(gangs) => {
                 for gang in gangs {
@@ -333,6 +340,12 @@ async fn apply_objects(client: &Client, ns: &str, d: &Desired) -> Result<(), Err
     apply(&Api::<RoleBinding>::namespaced(client.clone(), ns), "RoleBinding", ns, &d.role_binding).await?;
     apply(&Api::<Service>::namespaced(client.clone(), ns), "Service", ns, &d.service).await?;
     apply(&Api::<ConfigMap>::namespaced(client.clone(), ns), "ConfigMap", ns, &d.config_map).await?;
+    create_key_secret(client, ns, d).await?;
+    let policies = Api::<NetworkPolicy>::namespaced(client.clone(), ns);
+    match &d.network_policy {
+        Some(np) => apply(&policies, "NetworkPolicy", ns, np).await?,
+        None => delete_named(policies, "NetworkPolicy", ns, &network_policy_name(&d.plan.job.name)).await?,
+    }
     if let Some(pg) = &d.pod_group {
         let types = pg.types.clone().unwrap_or_default();
         let (group, version) = types.api_version.split_once('/').unwrap_or(("", types.api_version.as_str()));
@@ -348,6 +361,30 @@ async fn apply_objects(client: &Client, ns: &str, d: &Desired) -> Result<(), Err
             }
             other => other?,
         }
+    }
+    Ok(())
+}
+
+/// Creates the epoch's key Secret with a fresh random key unless it exists (an epoch keeps its
+/// first key: the Secret is immutable and never read back); having created it, deletes the
+/// previous epoch's (whose pods are gone or going: nothing needs that key any more).
+/// Creating rather than applying keeps the operator's rights on Secrets to `create` and `delete`:
+/// it never needs to `get`, `list` or `patch` one.
+async fn create_key_secret(client: &Client, ns: &str, d: &Desired) -> Result<(), Error> {
+    let api = Api::<Secret>::namespaced(client.clone(), ns);
+    let name = d.key_secret.metadata.name.clone().unwrap_or_default();
+    let mut key = [0u8; JOB_KEY_LEN];
+    ring::rand::SystemRandom::new().fill(&mut key).map_err(|_| Error::Random("an epoch's key"))?;
+    let pp = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
+    match api.create(&pp, &d.key_secret_with(&key)).await {
+        Ok(_) => info!(secret = %name, "created the epoch's key"),
+        // It exists: this epoch's key stays, and the previous one went when it was created.
+        Err(e) if is_code(&e, 409) => return Ok(()),
+        Err(e) => return Err(Error::kube("create", format!("Secret {ns}/{name}"), e)),
+    }
+    let job = &d.plan.job;
+    if let Some(previous) = job.epoch.checked_sub(1) {
+        delete_named(api, "Secret", ns, &job_key_secret_name(&job.name, &job.uid, previous)).await?;
     }
     Ok(())
 }
@@ -406,8 +443,16 @@ async fn delete_pod_group(client: &Client, ns: &str, job: &str, gang: GangSchedu
         .await
 }
 
-async fn delete_objects(client: &Client, ns: &str, job: &str) -> Result<(), Error> {
+async fn delete_objects(client: &Client, ns: &str, job: &str, uid: &str, epoch: u32) -> Result<(), Error> {
     let worker = worker_service_account_name(job);
+    // The key of the job's last epoch (and of the one before, had its deletion not been reached);
+    // the RLJob's deletion collects any other through the owner reference.
+    let secrets = Api::<Secret>::namespaced(client.clone(), ns);
+    for e in [Some(epoch), epoch.checked_sub(1)].into_iter().flatten() {
+        delete_named(secrets.clone(), "Secret", ns, &job_key_secret_name(job, uid, e)).await?;
+    }
+    delete_named(Api::<NetworkPolicy>::namespaced(client.clone(), ns), "NetworkPolicy", ns, &network_policy_name(job))
+        .await?;
     delete_named(Api::<Service>::namespaced(client.clone(), ns), "Service", ns, &headless_service_name(job)).await?;
     delete_named(Api::<ConfigMap>::namespaced(client.clone(), ns), "ConfigMap", ns, &plan_config_map_name(job)).await?;
     delete_named(Api::<RoleBinding>::namespaced(client.clone(), ns), "RoleBinding", ns, &worker).await?;

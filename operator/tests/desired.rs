@@ -1,11 +1,15 @@
 //! The operator's pure desired state: pods, Service, ConfigMap and PodGroup for both modes.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use k8s_openapi::api::core::v1::Pod;
-use rlplane_api::plan::WorkerPlan;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use rlplane_api::plan::{JOB_KEY_SECRET_KEY, KEY_FILE_ENV, POD_KEY_DIR, POD_KEY_FILE, WorkerPlan, parse_job_key};
 use rlplane_api::{RLJob, load_rljob};
-use rlplane_operator::desired::{DesiredError, OperatorConfig, PLAN_KEY, WORKER_CONTAINER, desired, labels};
+use rlplane_operator::desired::{
+    DesiredError, KEY_VOLUME, OperatorConfig, PLAN_KEY, WORKER_CONTAINER, desired, labels, spec_hash,
+};
 
 fn job(file: &str) -> RLJob {
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests").join(file)).unwrap();
@@ -67,9 +71,9 @@ fn split_cpu_job_has_trainer_and_generation_pods_wired_to_the_plan() {
         assert_eq!(gpus(w), None, "device Cpu requests no GPUs");
         assert!(w.readiness_probe.is_some());
         let vols: Vec<_> = spec.volumes.as_ref().unwrap().iter().map(|v| v.name.as_str()).collect();
-        assert_eq!(vols, vec!["plan", "ipc", "dshm"]);
+        assert_eq!(vols, vec!["plan", "job-key", "ipc", "dshm"]);
         let mounts: Vec<_> = w.volume_mounts.as_ref().unwrap().iter().map(|v| v.mount_path.as_str()).collect();
-        assert_eq!(mounts, vec!["/etc/rlplane", "/var/run/rlplane", "/dev/shm"]);
+        assert_eq!(mounts, vec!["/etc/rlplane", "/etc/rlplane-key", "/var/run/rlplane", "/dev/shm"]);
         // Every listening port of the pod's processes is declared on the container.
         let declared: Vec<i32> = w.ports.as_ref().unwrap().iter().map(|p| p.container_port).collect();
         let pi = plan.pod_index(m.name.as_deref().unwrap()).unwrap();
@@ -236,7 +240,7 @@ fn a_service_account_named_by_a_template_is_kept_and_bound_as_well() {
 
 #[test]
 fn the_spec_hash_follows_what_shapes_pods_and_ignores_the_run_policy() {
-    use rlplane_operator::desired::{SPEC_HASH_ANNOTATION, spec_hash};
+    use rlplane_operator::desired::SPEC_HASH_ANNOTATION;
     let j = job("rljob-cpu.yaml");
     let base = spec_hash(&j.spec);
     let mut policy = j.spec.clone();
@@ -275,4 +279,109 @@ fn a_queued_job_puts_its_pods_in_one_kueue_pod_group_per_epoch() {
             assert_eq!(a[KUEUE_POD_GROUP_COUNT], d.pods.len().to_string(), "the group is every pod");
         }
     }
+}
+
+/// The `job-key` volume of a pod: the name of the Secret it mounts.
+fn key_secret_of(pod: &Pod) -> Option<String> {
+    let volumes = pod.spec.as_ref()?.volumes.as_ref()?;
+    volumes.iter().find(|v| v.name == KEY_VOLUME)?.secret.as_ref()?.secret_name.clone()
+}
+
+#[test]
+fn each_epoch_has_its_own_key_secret_mounted_only_into_its_pods_and_never_in_the_plan() {
+    let j = job("rljob-cpu.yaml");
+    let (a, b) = (desired(&j, 0, &cfg()).unwrap(), desired(&j, 1, &cfg()).unwrap());
+    for (d, epoch) in [(&a, 0), (&b, 1)] {
+        let s = &d.key_secret;
+        // The uid is 0b9e-uid: its first 8 letters and digits.
+        let name = format!("grpo-cpu-key-0b9euid-e{epoch}");
+        assert_eq!(s.metadata.name.as_deref(), Some(name.as_str()));
+        assert_eq!(s.metadata.namespace.as_deref(), Some("ml"));
+        let o = &s.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!((o.kind.as_str(), o.name.as_str(), o.uid.as_str()), ("RLJob", "grpo-cpu", "0b9e-uid"));
+        assert_eq!(o.controller, Some(true), "garbage-collected with the RLJob");
+        assert_eq!(s.metadata.labels.as_ref().unwrap()[labels::EPOCH], epoch.to_string());
+        assert_eq!(s.immutable, Some(true), "a key is replaced by a new epoch's Secret, never rewritten");
+        assert!(s.data.is_none() && s.string_data.is_none(), "desired() draws no key: it stays pure");
+        // Every pod of this epoch mounts this epoch's Secret, into the worker container only.
+        for pod in &d.pods {
+            assert_eq!(key_secret_of(pod).as_deref(), Some(name.as_str()), "{:?}", pod.metadata.name);
+            let mounts = worker(pod).volume_mounts.as_ref().unwrap();
+            let m = mounts.iter().find(|m| m.name == KEY_VOLUME).expect("the worker mounts the key");
+            assert_eq!((m.mount_path.as_str(), m.read_only), (POD_KEY_DIR, Some(true)));
+            let env = worker(pod).env.as_ref().unwrap();
+            let key_env = env.iter().find(|e| e.name == KEY_FILE_ENV).expect("the worker is told where the key is");
+            assert_eq!(key_env.value.as_deref(), Some(POD_KEY_FILE));
+        }
+        assert_eq!(d.plan.job.key_file, POD_KEY_FILE, "the plan names the mounted file");
+    }
+    assert_ne!(a.key_secret.metadata.name, b.key_secret.metadata.name);
+
+    // The key goes only into the Secret the controller creates, never into the plan.
+    let key = [0xab; 32];
+    let secret = a.key_secret_with(&key);
+    let text = String::from_utf8(secret.data.as_ref().unwrap()[JOB_KEY_SECRET_KEY].0.clone()).unwrap();
+    assert_eq!(parse_job_key(&text).unwrap(), key);
+    let plan_json = &a.config_map.data.as_ref().unwrap()[PLAN_KEY];
+    assert!(!plan_json.contains(&text), "the plan ConfigMap holds no key");
+    assert!(plan_json.contains(POD_KEY_FILE));
+}
+
+#[test]
+fn user_containers_do_not_get_the_key() {
+    let mut j = job("rljob-colocated.yaml");
+    j.spec.trainer.template = Some(
+        serde_json::from_value(serde_json::json!({"spec": {"containers": [{"name": "megatron", "image": "m:1"}]}}))
+            .unwrap(),
+    );
+    let d = desired(&j, 2, &cfg()).unwrap();
+    let spec = d.pods[0].spec.as_ref().unwrap();
+    for c in &spec.containers {
+        assert!(c.volume_mounts.iter().flatten().all(|m| m.name != KEY_VOLUME), "{} mounts the key", c.name);
+    }
+    assert_eq!(key_secret_of(&d.pods[0]).as_deref(), Some("llama3-8b-colocated-key-0b9euid-e2"));
+}
+
+#[test]
+fn the_network_policy_admits_only_the_jobs_pods_and_prometheus_on_the_metrics_port() {
+    let j = job("rljob-cpu.yaml");
+    let d = desired(&j, 0, &cfg()).unwrap();
+    let np = d.network_policy.as_ref().expect("on by default");
+    assert_eq!(np.metadata.name.as_deref(), Some("grpo-cpu-ingress"));
+    assert_eq!(np.metadata.owner_references.as_ref().unwrap()[0].name, "grpo-cpu");
+    let spec = np.spec.as_ref().unwrap();
+    let own = BTreeMap::from([(labels::JOB.to_string(), "grpo-cpu".to_string())]);
+    assert_eq!(spec.pod_selector.as_ref().unwrap().match_labels.as_ref(), Some(&own), "it guards the job's pods");
+    assert_eq!(spec.policy_types.as_deref(), Some(&["Ingress".to_string()][..]));
+    let rules = spec.ingress.as_ref().unwrap();
+    assert_eq!(rules.len(), 2, "{rules:?}");
+    // 1. The job's own pods, same namespace (no namespace selector), every port.
+    let from = rules[0].from.as_ref().unwrap();
+    assert_eq!(from.len(), 1);
+    assert_eq!(from[0].pod_selector.as_ref().unwrap().match_labels.as_ref(), Some(&own));
+    assert!(from[0].namespace_selector.is_none() && from[0].ip_block.is_none());
+    assert!(rules[0].ports.is_none());
+    // 2. Prometheus, any namespace, the metrics port only.
+    let from = rules[1].from.as_ref().unwrap();
+    let prometheus = BTreeMap::from([("app.kubernetes.io/name".to_string(), "prometheus".to_string())]);
+    assert_eq!(from[0].pod_selector.as_ref().unwrap().match_labels.as_ref(), Some(&prometheus));
+    assert_eq!(from[0].namespace_selector.as_ref().unwrap().match_labels, None, "every namespace");
+    let ports = rules[1].ports.as_ref().unwrap();
+    assert_eq!(ports.len(), 1);
+    assert_eq!(ports[0].port, Some(IntOrString::Int(j.spec.observability.metrics_port as i32)));
+
+    // Scrapers can be narrowed; the policy can be turned off; neither restarts the gang.
+    let mut narrowed = j.clone();
+    narrowed.spec.network_policy.metrics_scraper_namespace_labels =
+        BTreeMap::from([("kubernetes.io/metadata.name".into(), "monitoring".into())]);
+    let n = desired(&narrowed, 0, &cfg()).unwrap();
+    let ns_sel = n.network_policy.unwrap().spec.unwrap().ingress.unwrap()[1].from.as_ref().unwrap()[0]
+        .namespace_selector
+        .clone()
+        .unwrap();
+    assert_eq!(ns_sel.match_labels.unwrap()["kubernetes.io/metadata.name"], "monitoring");
+    let mut off = j.clone();
+    off.spec.network_policy.enabled = false;
+    assert!(desired(&off, 0, &cfg()).unwrap().network_policy.is_none());
+    assert_eq!(spec_hash(&off.spec), spec_hash(&j.spec));
 }

@@ -166,7 +166,9 @@ impl ApiServer {
         bodies
     }
 
-    /// The objects every active reconcile applies, in this order.
+    /// The objects every active reconcile applies, in this order: the epoch's key Secret is
+    /// created (answered as new, so the previous epoch's is then deleted), never applied or read;
+    /// the NetworkPolicy is applied last.
     async fn apply_objects(&mut self, job: &str) -> Vec<Value> {
         let mut bodies = Vec::new();
         for uri in [
@@ -178,6 +180,24 @@ impl ApiServer {
         ] {
             bodies.extend(self.applies(&[uri]).await);
         }
+        let (secret, send) =
+            self.expect(Method::POST, &format!("/api/v1/namespaces/{NS}/secrets?&fieldManager=rlplane-operator")).await;
+        send.send_response(respond(201, &secret));
+        let epoch: u32 = secret["metadata"]["labels"][labels::EPOCH].as_str().unwrap().parse().unwrap();
+        // The uid is 6f1c-uid: its first 8 letters and digits.
+        assert_eq!(secret["metadata"]["name"], format!("{job}-key-6f1cuid-e{epoch}"));
+        assert_eq!(secret["immutable"], true);
+        if epoch > 0 {
+            let (body, send) = self
+                .expect(Method::DELETE, &format!("/api/v1/namespaces/{NS}/secrets/{job}-key-6f1cuid-e{}?", epoch - 1))
+                .await;
+            assert_eq!(body["propagationPolicy"], "Background");
+            send.send_response(respond(200, &success()));
+        }
+        bodies.push(secret);
+        bodies.extend(
+            self.applies(&[format!("/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{job}-ingress")]).await,
+        );
         bodies
     }
 
@@ -273,7 +293,7 @@ async fn create_applies_the_objects_then_the_pods_then_status_starting() {
     api.list_pods(&j, &[]).await;
     let objects = api.apply_objects("grpo-cpu").await;
     let kinds: Vec<_> = objects.iter().map(|o| o["kind"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["ServiceAccount", "Role", "RoleBinding", "Service", "ConfigMap"]);
+    assert_eq!(kinds, ["ServiceAccount", "Role", "RoleBinding", "Service", "ConfigMap", "Secret", "NetworkPolicy"]);
     assert_eq!(objects[1]["rules"][0]["resourceNames"], json!(["grpo-cpu"]));
     for o in &objects {
         assert_eq!(o["metadata"]["ownerReferences"][0]["uid"], UID, "{}", o["kind"]);
@@ -449,6 +469,10 @@ async fn suspend_deletes_the_pods_and_resume_recreates_them() {
     api.get_job(&suspended).await;
     api.list_pods(&suspended, &[]).await;
     for uri in [
+        // The keys of the last epoch and the one before; the NetworkPolicy.
+        format!("/api/v1/namespaces/{NS}/secrets/grpo-cpu-key-6f1cuid-e1?"),
+        format!("/api/v1/namespaces/{NS}/secrets/grpo-cpu-key-6f1cuid-e0?"),
+        format!("/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/grpo-cpu-ingress?"),
         format!("/api/v1/namespaces/{NS}/services/grpo-cpu-headless?"),
         format!("/api/v1/namespaces/{NS}/configmaps/grpo-cpu-plan?"),
         format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings/grpo-cpu-worker?"),

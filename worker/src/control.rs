@@ -17,7 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::net::{self, Hello, NetError};
+use crate::net::{self, Hello, JobAuth, NetError};
 
 /// Protocol magic of the control channel.
 pub const MAGIC: [u8; 4] = *b"RCTL";
@@ -211,13 +211,14 @@ pub struct LateJoinerRefusal(tokio::task::JoinHandle<()>);
 
 impl LateJoinerRefusal {
     /// Takes over `listener` (the control port, after [`ControlServer::accept_all`]).
-    pub fn start(listener: TcpListener, token: String) -> LateJoinerRefusal {
+    /// Refusals are counted in `auth`'s, like the gang's own.
+    pub fn start(listener: TcpListener, auth: JobAuth) -> LateJoinerRefusal {
         LateJoinerRefusal(tokio::spawn(async move {
             while let Ok((mut stream, _)) = listener.accept().await {
-                let token = token.clone();
+                let auth = auth.clone();
                 tokio::spawn(async move {
                     let deadline = Instant::now() + Duration::from_secs(10);
-                    let refused = net::accept_hello(&mut stream, MAGIC, VERSION, &token, deadline, |h| {
+                    let refused = net::accept_hello(&mut stream, &auth, MAGIC, VERSION, deadline, |h| {
                         Err(format!("`{}` joined this epoch's control channel already; the gang is formed", h.peer))
                     })
                     .await;
@@ -253,11 +254,12 @@ pub struct ControlServer {
 }
 
 impl ControlServer {
-    /// Accepts a connection from every rank in `expected` (process names), checking the token.
+    /// Accepts a connection from every rank in `expected` (process names) that proves it holds
+    /// the job epoch's key; refused peers are logged, counted in `auth` and ignored.
     pub async fn accept_all(
         listener: &TcpListener,
         expected: &[String],
-        token: &str,
+        auth: &JobAuth,
         deadline: Instant,
     ) -> Result<ControlServer, ControlError> {
         let index: HashMap<String, usize> = expected.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
@@ -280,7 +282,7 @@ impl ControlServer {
                 }
             };
             net::tune(&stream);
-            let hello = net::accept_hello(&mut stream, MAGIC, VERSION, token, deadline, |h| {
+            let hello = net::accept_hello(&mut stream, auth, MAGIC, VERSION, deadline, |h| {
                 if index.contains_key(&h.peer) {
                     Ok(())
                 } else {
@@ -499,14 +501,14 @@ impl ControlClient {
     /// Connects to the coordinator (retrying until `deadline`) and introduces itself as `name`.
     pub async fn connect(
         addr: &str,
-        token: &str,
+        auth: &JobAuth,
         name: &str,
         deadline: Instant,
     ) -> Result<ControlClient, ControlError> {
         let wrap = |source| ControlError::Net { rank: name.into(), source };
         let mut s = net::connect_retry(addr, deadline, "the coordinator's control channel").await.map_err(wrap)?;
-        let hello = Hello { magic: MAGIC, version: VERSION, token: token.into(), peer: name.into(), extra: vec![] };
-        net::send_hello(&mut s, &hello, deadline, addr).await.map_err(wrap)?;
+        let hello = Hello { magic: MAGIC, version: VERSION, peer: name.into(), extra: vec![] };
+        net::send_hello(&mut s, auth, &hello, deadline, addr).await.map_err(wrap)?;
         let (reader, writer) = s.into_split();
         Ok(ControlClient { reader, writer, buf: Vec::with_capacity(4096), out: Vec::with_capacity(1024) })
     }
@@ -567,6 +569,10 @@ pub fn percentile_us(samples: &[Duration], p: f64) -> f64 {
 mod tests {
     use super::*;
 
+    fn tok() -> JobAuth {
+        JobAuth::new("tok", &[3; rlplane_api::plan::JOB_KEY_LEN])
+    }
+
     #[tokio::test]
     async fn commands_are_acked_done_and_timed() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -576,7 +582,7 @@ mod tests {
         for n in names.clone() {
             let addr = addr.clone();
             tokio::spawn(async move {
-                let mut c = ControlClient::connect(&addr, "tok", &n, deadline).await.unwrap();
+                let mut c = ControlClient::connect(&addr, &tok(), &n, deadline).await.unwrap();
                 c.reply(&Reply::Ready).await.unwrap();
                 while let Some(env) = c.next().await.unwrap() {
                     if env.command == Command::Shutdown {
@@ -590,9 +596,9 @@ mod tests {
         // A stale rank (other epoch's token) is refused and does not count.
         let stale = addr.clone();
         tokio::spawn(async move {
-            let _ = ControlClient::connect(&stale, "old-token", "gen-0", deadline).await;
+            let _ = ControlClient::connect(&stale, &JobAuth::new("old-token", &[2; 32]), "gen-0", deadline).await;
         });
-        let mut s = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
         s.wait_ready(deadline).await.unwrap();
         for step in 0..20 {
             let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
@@ -610,13 +616,13 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         let names = vec!["trainer-1".to_string()];
         tokio::spawn(async move {
-            let mut c = ControlClient::connect(&addr, "tok", "trainer-1", deadline).await.unwrap();
+            let mut c = ControlClient::connect(&addr, &tok(), "trainer-1", deadline).await.unwrap();
             let env = c.next().await.unwrap().unwrap();
             c.reply(&Reply::Failed { seq: env.seq, error: "fan-out peer trainer-3 reset".into() }).await.unwrap();
             let _ = c.next().await.unwrap();
             // Die without answering.
         });
-        let mut s = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
         let e = s.run(&names, Command::Train { step: 0, batch: None }, deadline).await.unwrap_err().to_string();
         assert!(e.contains("trainer-1 failed train: fan-out peer trainer-3 reset"), "{e}");
         let e = s.run(&names, Command::Update { step: 0, seed: 1 }, deadline).await.unwrap_err().to_string();
@@ -629,16 +635,18 @@ mod tests {
         let addr = l.local_addr().unwrap().to_string();
         let deadline = Instant::now() + Duration::from_secs(10);
         let names = vec!["gen-0".to_string()];
+        let auth = JobAuth::new("tok", &[3; rlplane_api::plan::JOB_KEY_LEN]);
         let joined = tokio::spawn({
-            let addr = addr.clone();
-            async move { ControlClient::connect(&addr, "tok", "gen-0", deadline).await.unwrap() }
+            let (addr, auth) = (addr.clone(), auth.clone());
+            async move { ControlClient::connect(&addr, &auth, "gen-0", deadline).await.unwrap() }
         });
-        let _server = ControlServer::accept_all(&l, &names, "tok", deadline).await.unwrap();
+        let _server = ControlServer::accept_all(&l, &names, &auth, deadline).await.unwrap();
         let _joined = joined.await.unwrap();
-        let _refusal = LateJoinerRefusal::start(l, "tok".into());
-        let stale = ControlClient::connect(&addr, "old-epoch", "gen-0", deadline).await.err().unwrap().to_string();
+        let _refusal = LateJoinerRefusal::start(l, auth.clone());
+        let old = JobAuth::new("old-epoch", &[2; rlplane_api::plan::JOB_KEY_LEN]);
+        let stale = ControlClient::connect(&addr, &old, "gen-0", deadline).await.err().unwrap().to_string();
         assert!(stale.contains("job token `old-epoch` does not match"), "{stale}");
-        let again = ControlClient::connect(&addr, "tok", "gen-0", deadline).await.err().unwrap().to_string();
+        let again = ControlClient::connect(&addr, &auth, "gen-0", deadline).await.err().unwrap().to_string();
         assert!(again.contains("joined this epoch's control channel already"), "{again}");
     }
 

@@ -27,6 +27,7 @@ use tracing::Instrument;
 
 use crate::control::{Command, ControlError, ControlServer, Report, percentile_us};
 use crate::digest::mix64;
+use crate::net::JobAuth;
 use crate::tq::{ControllerConfig, TqController, assign};
 use crate::workload::fields;
 
@@ -181,9 +182,10 @@ pub struct RunRecord {
 }
 
 /// Runs the job's steps. `control` and `tq` are already bound (so ranks can connect as soon as
-/// they start).
+/// they start); every rank must prove it holds the epoch's key in `auth`.
 pub async fn run(
     plan: &WorkerPlan,
+    auth: &JobAuth,
     control: TcpListener,
     tq: TcpListener,
     observer: &dyn Observer,
@@ -198,7 +200,7 @@ pub async fn run(
         .map(|(_, p)| p.name.clone())
         .collect();
 
-    let controller = TqController::new(ControllerConfig::from_plan(plan));
+    let controller = TqController::new(ControllerConfig::from_plan(plan, auth));
     let serving = controller.clone();
     tokio::spawn(async move {
         if let Err(e) = serving.serve(tq).await {
@@ -208,8 +210,8 @@ pub async fn run(
     controller.watch_units(Duration::from_secs(1));
 
     let deadline = Instant::now() + startup;
-    let mut server = ControlServer::accept_all(&control, &ranks, &plan.job.token, deadline).await?;
-    let _late_joiners = crate::control::LateJoinerRefusal::start(control, plan.job.token.clone());
+    let mut server = ControlServer::accept_all(&control, &ranks, auth, deadline).await?;
+    let _late_joiners = crate::control::LateJoinerRefusal::start(control, auth.clone());
     server.wait_ready(deadline).await?;
     observer.progress(Progress::Connected { ranks: ranks.len() });
 

@@ -23,6 +23,7 @@ use rlplane_api::{Device, RefitTransport, load_rljob};
 use serde::Serialize;
 
 use crate::coordinator::{self, Observer, Progress, RunRecord, Summary};
+use crate::net::JobAuth;
 use crate::pod::{EXIT_BAD_INPUT, bind_coordinator, child_command, describe};
 use crate::supervisor::{OutputSink, Supervisor};
 
@@ -233,7 +234,14 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
     let uid = format!("local-{}-{}", std::process::id(), scratch.file_name().and_then(|s| s.to_str()).unwrap_or(""));
     let id = JobIdentity { name: name.clone(), namespace: "local".into(), uid, epoch: 0 };
     let addressing = LocalAddressing::new(&scratch);
-    let plan = build_plan(&job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut plan = build_plan(&job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
+    // A fresh key for this run, readable only by this user; the plan says where it is.
+    let key = JobAuth::generate_key()?;
+    let key_path = scratch.join("job.key");
+    crate::net::write_key_file(&key_path, &key)
+        .with_context(|| format!("writing the job key {}", key_path.display()))?;
+    plan.job.key_file = key_path.display().to_string();
+    let auth = JobAuth::new(&plan.job.token, &key);
     for pod in &plan.pods {
         std::fs::create_dir_all(&pod.ipc_dir).with_context(|| format!("creating {}", pod.ipc_dir))?;
     }
@@ -245,6 +253,7 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
     // The coordinator's metrics, and with --metrics-port one /metrics merging them with every rank's.
     let mut registry = crate::metrics::JobLabels::of(&plan).registry(&[]);
     let coordinator_metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
+    crate::metrics::HandshakeRefusals::register(&mut registry, auth.refusals());
     let merged = match metrics_port {
         Some(port) => {
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.with_context(|| {
@@ -286,6 +295,8 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
             continue;
         }
         let mut cmd = child_command(&plan_path, &p.name, library.as_deref())?;
+        // This run's key, whatever the calling shell's environment says.
+        cmd.env(rlplane_api::plan::KEY_FILE_ENV, &key_path);
         if let Some(b) = &bases {
             cmd.env(GPU_BASE_ENV, b[p.pod as usize].to_string());
         }
@@ -310,7 +321,7 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
 
     let outcome = {
         let observer = crate::metrics::MetricsObserver { inner: &ui, metrics: coordinator_metrics };
-        let coordinated = coordinator::run(&plan, control, tq, &observer);
+        let coordinated = coordinator::run(&plan, &auth, control, tq, &observer);
         tokio::pin!(coordinated);
         loop {
             tokio::select! {

@@ -36,6 +36,7 @@ use rlplane_api::TqFetch;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
 
 use crate::coordinator::{Observer, Progress, StepRecord};
+use crate::net::Refusals;
 use crate::refit::RefitStats;
 use crate::roles::refit_side::{self, Kind};
 use crate::tq::StorageUnit;
@@ -81,6 +82,13 @@ pub struct PhaseLabels {
 pub struct UnitLabels {
     /// Storage unit id.
     pub unit: String,
+}
+
+/// Label set `{protocol}`: a handshake's protocol magic, e.g. `TQSU`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// The protocol's 4-byte magic.
+    pub protocol: String,
 }
 
 /// Label set `{process}`: a child process of a supervisor.
@@ -551,6 +559,36 @@ impl Collector for StorageGauges {
     }
 }
 
+/// `rlplane_handshake_refused_total{protocol}`: peers this process refused (or that failed to
+/// prove they hold the job epoch's key), by protocol magic (`RCTL` control, `TQCT` transfer-queue
+/// controller, `TQSU` storage unit, `TQFO` fan-out, `RFIT` TCP refit, `RNCL` NCCL rendezvous,
+/// `RIPC` CUDA IPC control), read from the handshakes' [`Refusals`] at scrape time.
+#[derive(Clone, Debug)]
+pub struct HandshakeRefusals(Refusals);
+
+impl HandshakeRefusals {
+    /// Exports `refusals` in `registry`.
+    pub fn register(registry: &mut Registry, refusals: &Refusals) {
+        registry.register_collector(Box::new(HandshakeRefusals(refusals.clone())));
+    }
+}
+
+impl Collector for HandshakeRefusals {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let refused = Family::<ProtocolLabels, Counter>::default();
+        for (protocol, n) in self.0.snapshot() {
+            refused.get_or_create(&ProtocolLabels { protocol }).inc_by(n);
+        }
+        let metric = encoder.encode_descriptor(
+            "handshake_refused",
+            "Handshakes refused: peers of another job or epoch, without the epoch's key, or replaying a handshake.",
+            None,
+            refused.metric_type(),
+        )?;
+        refused.encode(metric)
+    }
+}
+
 /// One `/metrics` made of this process's registries and the expositions of child processes.
 #[derive(Debug)]
 pub struct MergedMetrics {
@@ -821,6 +859,28 @@ mod tests {
         let mut r = labels.registry(&[("role", "generation".into()), ("rank", rank.into())]);
         let m = RefitMetrics::register(&mut r, "received");
         (r, m)
+    }
+
+    #[test]
+    fn handshake_refusals_are_counted_by_protocol_at_scrape_time() {
+        let (mut r, _) = rank_registry("0");
+        let refusals = Refusals::default();
+        HandshakeRefusals::register(&mut r, &refusals);
+        assert!(!encode(&r).contains("handshake_refused_total{"), "no series before a refusal");
+        refusals.count(*b"TQSU");
+        refusals.count(*b"TQSU");
+        refusals.count(*b"RNCL");
+        let text = encode(&r);
+        assert!(text.contains("# TYPE rlplane_handshake_refused counter"), "{text}");
+        for (protocol, n) in [("TQSU", 2), ("RNCL", 1)] {
+            let line = text
+                .lines()
+                .find(|l| {
+                    l.starts_with("rlplane_handshake_refused_total{") && l.contains(&format!("protocol=\"{protocol}\""))
+                })
+                .unwrap_or_else(|| panic!("no {protocol} series in\n{text}"));
+            assert!(line.ends_with(&format!(" {n}")) && line.contains("rank=\"0\""), "{line}");
+        }
     }
 
     #[test]

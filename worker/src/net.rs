@@ -1,13 +1,35 @@
 //! TCP plumbing shared by every rlplane protocol (refit, transfer queue, control, fan-out):
-//! deadlines, connecting with backoff, length-prefixed frames and the token handshake.
+//! deadlines, connecting with backoff, length-prefixed frames and the authenticated handshake.
 //!
-//! Every connection starts with a [`Hello`] from the connecting side: a 4-byte protocol magic, the
-//! protocol version, the job token (epoch-stamped, from the WorkerPlan) and the peer's name. The
-//! accepting side answers with one byte ([`HELLO_OK`], or an error frame) so that a refused peer
-//! learns why. A rank of another epoch or job presents another token and is refused.
+//! Every connection starts with a handshake that proves both sides hold the job epoch's key
+//! ([`JobAuth`]) without sending it:
+//!
+//! 1. connecting side → one frame: [`Hello`] (4-byte protocol magic, protocol version, the job
+//!    token, the peer's name, protocol bytes) and a fresh [`NONCE_LEN`]-byte nonce;
+//! 2. accepting side: if magic, version or token differ, [`HELLO_REFUSED`] and the reason (a rank
+//!    of another epoch or job is told so); else [`HELLO_CHALLENGE`], its own fresh nonce and its
+//!    proof `HMAC-SHA256(key, label_s ‖ len ‖ hello ‖ nonce_s)`;
+//! 3. connecting side: checks that proof (else refuses the listener, [`HELLO_REFUSED`] + reason),
+//!    then [`HELLO_OK`] and its proof `HMAC-SHA256(key, label_c ‖ len ‖ hello ‖ nonce_s)`;
+//! 4. accepting side: checks it, then the protocol's own checks, and answers [`HELLO_OK`] or
+//!    [`HELLO_REFUSED`] + reason.
+//!
+//! Both proofs cover both nonces (the client's is inside the hello), so a recorded handshake
+//! replayed to either side fails; the labels differ, so one side's proof never passes as the
+//! other's. Nothing a peer sends is acted on before its proof checks out, and every refusal is
+//! counted ([`Refusals`]). The same steps run over ZMQ for the CUDA IPC control channel
+//! ([`JobAuth::client_hello`], [`JobAuth::open_hello`]).
 
+use std::collections::BTreeMap;
 use std::io;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use ring::hmac;
+use ring::rand::SecureRandom;
+use rlplane_api::WorkerPlan;
+use rlplane_api::plan::{JOB_KEY_LEN, parse_job_key};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -237,39 +259,62 @@ pub async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>, m
     Ok(())
 }
 
-/// Byte the accepting side sends when it accepts a [`Hello`].
+/// Byte the accepting side sends when it accepts a [`Hello`] (and the connecting side before its
+/// proof, once the accepting side has proven itself).
 pub const HELLO_OK: u8 = 0;
-/// Byte the accepting side sends before an error frame when it refuses a [`Hello`].
+/// Byte either side sends before an error frame when it refuses the other.
 pub const HELLO_REFUSED: u8 = 1;
+/// Byte the accepting side sends, followed by its challenge ([`CHALLENGE_LEN`] bytes), when a
+/// [`Hello`]'s identifiers (protocol, version, job token) match.
+pub const HELLO_CHALLENGE: u8 = 2;
 
-/// The first message on every connection.
+/// Bytes of each side's fresh random nonce.
+pub const NONCE_LEN: usize = 32;
+/// Bytes of a proof: an HMAC-SHA256 tag.
+pub const PROOF_LEN: usize = 32;
+/// Bytes of the accepting side's challenge: its nonce, then its proof.
+pub const CHALLENGE_LEN: usize = NONCE_LEN + PROOF_LEN;
+
+/// Domain-separation labels: a proof made by one side can never be presented as the other's.
+const SERVER_PROOF_LABEL: &[u8] = b"rlplane handshake v1: accepting side\0";
+const CLIENT_PROOF_LABEL: &[u8] = b"rlplane handshake v1: connecting side\0";
+
+/// The first message on every connection (what the connecting side says about itself; the job
+/// token and its nonce are added by [`JobAuth::client_hello`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
     /// Protocol magic, e.g. `*b"RFIT"`.
     pub magic: [u8; 4],
     /// Protocol version.
     pub version: u16,
-    /// Job token (epoch-stamped).
-    pub token: String,
     /// The connecting peer's name (e.g. `gen-3`).
     pub peer: String,
     /// Protocol-specific bytes (e.g. a plan hash).
     pub extra: Vec<u8>,
 }
 
-impl Hello {
+/// A hello as it travels: magic, version, then length-prefixed token, peer, extra and nonce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct WireHello {
+    hello: Hello,
+    token: String,
+    nonce: Vec<u8>,
+}
+
+impl WireHello {
     fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(16 + self.token.len() + self.peer.len() + self.extra.len());
-        v.extend_from_slice(&self.magic);
-        v.extend_from_slice(&self.version.to_le_bytes());
-        for s in [self.token.as_bytes(), self.peer.as_bytes(), &self.extra] {
+        let h = &self.hello;
+        let mut v = Vec::with_capacity(22 + self.token.len() + h.peer.len() + h.extra.len() + self.nonce.len());
+        v.extend_from_slice(&h.magic);
+        v.extend_from_slice(&h.version.to_le_bytes());
+        for s in [self.token.as_bytes(), h.peer.as_bytes(), &h.extra, &self.nonce] {
             v.extend_from_slice(&(s.len() as u32).to_le_bytes());
             v.extend_from_slice(s);
         }
         v
     }
 
-    fn decode(b: &[u8]) -> Result<Hello, String> {
+    fn decode(b: &[u8]) -> Result<WireHello, String> {
         if b.len() < 6 {
             return Err("hello shorter than its header".into());
         }
@@ -291,117 +336,497 @@ impl Hello {
         let token = String::from_utf8(field("token")?).map_err(|_| "token is not UTF-8")?;
         let peer = String::from_utf8(field("peer")?).map_err(|_| "peer name is not UTF-8")?;
         let extra = field("extra")?;
-        Ok(Hello { magic, version, token, peer, extra })
+        let nonce = match field("nonce") {
+            Ok(n) => n,
+            Err(_) => {
+                return Err("the hello carries no nonce: the peer runs a worker from before authenticated \
+                            handshakes; run matching worker images"
+                    .into());
+            }
+        };
+        if nonce.len() != NONCE_LEN {
+            return Err(format!("a nonce of {} bytes where {NONCE_LEN} were expected", nonce.len()));
+        }
+        Ok(WireHello { hello: Hello { magic, version, peer, extra }, token, nonce })
     }
 }
 
-/// Connecting side: sends `hello`, waits for the answer. A refusal becomes [`NetError::Refused`]
-/// with the accepting side's reason.
-pub async fn send_hello(stream: &mut TcpStream, hello: &Hello, deadline: Instant, peer: &str) -> Result<(), NetError> {
+/// Handshake refusals a process has counted, by protocol (its magic): what refused peers tried.
+/// Plain data that the process's metrics read at scrape time (`rlplane_handshake_refused_total`);
+/// the transports only count.
+#[derive(Clone, Debug, Default)]
+pub struct Refusals(Arc<Mutex<BTreeMap<String, u64>>>);
+
+impl Refusals {
+    /// Counts one refusal on a port speaking `magic`.
+    pub fn count(&self, magic: [u8; 4]) {
+        if let Ok(mut m) = self.0.lock() {
+            *m.entry(String::from_utf8_lossy(&magic).into_owned()).or_insert(0) += 1;
+        }
+    }
+
+    /// The counts so far, by protocol.
+    pub fn snapshot(&self) -> Vec<(String, u64)> {
+        self.0.lock().map(|m| m.iter().map(|(k, v)| (k.clone(), *v)).collect()).unwrap_or_default()
+    }
+
+    /// All refusals so far.
+    pub fn total(&self) -> u64 {
+        self.snapshot().iter().map(|(_, n)| n).sum()
+    }
+}
+
+/// Why a job key could not be loaded. Names the file and the fix; never shows the key.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    /// The key file could not be read.
+    #[error(
+        "cannot read the job key {path}: {source}; in a cluster the operator mounts the Secret `{secret}` \
+         there (check that it exists and the pod's `job-key` volume); elsewhere write a key there, e.g. \
+         `openssl rand -hex {len} > {path}`"
+    )]
+    Read {
+        /// Path of the key file.
+        path: String,
+        /// The Secret that should hold it.
+        secret: String,
+        /// Key length in bytes.
+        len: usize,
+        /// Cause.
+        source: io::Error,
+    },
+    /// The key file holds no usable key.
+    #[error("the job key {path} is not a key: {reason}; write one with `openssl rand -hex {len} > {path}`")]
+    Malformed {
+        /// Path of the key file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+        /// Key length in bytes.
+        len: usize,
+    },
+    /// The system's random source failed.
+    #[error("the system random source failed ({0})")]
+    Random(String),
+}
+
+/// Writes `key` (as [`rlplane_api::plan::encode_job_key`] text) to a new file at `path` that only
+/// this user can read: mode 0600 from its creation, so the key is never readable by others, not
+/// even briefly. Fails if the file exists.
+pub fn write_key_file(path: &Path, key: &[u8; JOB_KEY_LEN]) -> io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(rlplane_api::plan::encode_job_key(key).as_bytes())
+}
+
+/// What a process proves and checks on every handshake: the job epoch's token (an identifier, so
+/// that a peer of another epoch is told so) and the epoch's key (a secret, never sent: each side
+/// proves it holds it with an HMAC-SHA256 over the whole handshake and both sides' fresh nonces,
+/// so a replayed handshake fails). Cheap to clone; its [`Refusals`] are shared by the clones.
+#[derive(Clone)]
+pub struct JobAuth {
+    token: Arc<str>,
+    key: hmac::Key,
+    refusals: Refusals,
+}
+
+impl std::fmt::Debug for JobAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobAuth").field("token", &self.token).field("key", &"<secret>").finish()
+    }
+}
+
+/// `n` bytes from the operating system's random source.
+fn random_bytes<const N: usize>() -> Result<[u8; N], KeyError> {
+    let mut b = [0u8; N];
+    ring::rand::SystemRandom::new().fill(&mut b).map_err(|e| KeyError::Random(e.to_string()))?;
+    Ok(b)
+}
+
+impl JobAuth {
+    /// Authentication with `token` and `key`.
+    pub fn new(token: &str, key: &[u8; JOB_KEY_LEN]) -> JobAuth {
+        JobAuth { token: token.into(), key: hmac::Key::new(hmac::HMAC_SHA256, key), refusals: Refusals::default() }
+    }
+
+    /// A fresh random key (for `rlplane local`, benchmarks and tests; the operator makes the
+    /// cluster's).
+    pub fn generate_key() -> Result<[u8; JOB_KEY_LEN], KeyError> {
+        random_bytes()
+    }
+
+    /// Reads the key of the plan's epoch from [`rlplane_api::plan::JobRef::key_file`].
+    pub fn for_plan(plan: &WorkerPlan) -> Result<JobAuth, KeyError> {
+        let secret = rlplane_api::plan::job_key_secret_name(&plan.job.name, &plan.job.uid, plan.job.epoch);
+        Self::load(&plan.job.token, Path::new(&plan.job.key_file), &secret)
+    }
+
+    /// Reads the key at `path` (the text of [`rlplane_api::plan::encode_job_key`]); `secret` names
+    /// the Secret that should have put it there, for the error.
+    pub fn load(token: &str, path: &Path, secret: &str) -> Result<JobAuth, KeyError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| KeyError::Read {
+            path: shown.clone(),
+            secret: secret.into(),
+            len: JOB_KEY_LEN,
+            source,
+        })?;
+        let key =
+            parse_job_key(&text).map_err(|reason| KeyError::Malformed { path: shown, reason, len: JOB_KEY_LEN })?;
+        Ok(JobAuth::new(token, &key))
+    }
+
+    /// The job token.
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// The refusals counted on this process's handshakes.
+    pub fn refusals(&self) -> &Refusals {
+        &self.refusals
+    }
+
+    fn proof(&self, label: &[u8], hello: &[u8], server_nonce: &[u8]) -> hmac::Tag {
+        let mut ctx = hmac::Context::with_key(&self.key);
+        ctx.update(label);
+        ctx.update(&(hello.len() as u32).to_le_bytes());
+        ctx.update(hello);
+        ctx.update(server_nonce);
+        ctx.sign()
+    }
+
+    fn verify(&self, label: &[u8], hello: &[u8], server_nonce: &[u8], proof: &[u8]) -> bool {
+        let mut msg = Vec::with_capacity(label.len() + 4 + hello.len() + server_nonce.len());
+        msg.extend_from_slice(label);
+        msg.extend_from_slice(&(hello.len() as u32).to_le_bytes());
+        msg.extend_from_slice(hello);
+        msg.extend_from_slice(server_nonce);
+        hmac::verify(&self.key, &msg, proof).is_ok()
+    }
+
+    /// Connecting side, step 1: the hello to send, with this process's token and a fresh nonce.
+    pub fn client_hello(&self, hello: &Hello) -> Result<ClientHello, KeyError> {
+        let nonce = random_bytes::<NONCE_LEN>()?;
+        let wire = WireHello { hello: hello.clone(), token: self.token.to_string(), nonce: nonce.to_vec() };
+        Ok(ClientHello { magic: hello.magic, bytes: wire.encode() })
+    }
+
+    /// Accepting side, step 1: decodes a hello and checks its identifiers (protocol, version, job
+    /// token). On success returns the peer's claims — not to be used before
+    /// [`ServerChallenge::verify`] — and the challenge to send. Refusals are counted.
+    pub fn open_hello(&self, bytes: &[u8], magic: [u8; 4], version: u16) -> Result<(Hello, ServerChallenge), String> {
+        let verdict = WireHello::decode(bytes).and_then(|w| {
+            if w.hello.magic != magic {
+                return Err(format!(
+                    "protocol {:?} where {:?} was expected",
+                    String::from_utf8_lossy(&w.hello.magic),
+                    String::from_utf8_lossy(&magic)
+                ));
+            }
+            if w.hello.version != version {
+                return Err(format!(
+                    "protocol version {} where {version} was expected; run matching worker images",
+                    w.hello.version
+                ));
+            }
+            if w.token != *self.token {
+                return Err(format!(
+                    "job token `{}` does not match `{}`: the peer belongs to another job or epoch",
+                    w.token, self.token
+                ));
+            }
+            Ok(w)
+        });
+        let w = verdict.inspect_err(|_| self.refusals.count(magic))?;
+        let nonce = random_bytes::<NONCE_LEN>().map_err(|e| e.to_string())?;
+        let proof = self.proof(SERVER_PROOF_LABEL, bytes, &nonce);
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        challenge[..NONCE_LEN].copy_from_slice(&nonce);
+        challenge[NONCE_LEN..].copy_from_slice(proof.as_ref());
+        Ok((w.hello, ServerChallenge { magic, hello: bytes.to_vec(), challenge }))
+    }
+}
+
+/// The connecting side's half of a handshake in progress.
+#[derive(Debug)]
+pub struct ClientHello {
+    magic: [u8; 4],
+    bytes: Vec<u8>,
+}
+
+impl ClientHello {
+    /// The hello to send.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Connecting side, step 2: checks that the accepting side proved it holds the key (over this
+    /// hello and its nonce) and returns this side's proof. A failed check is counted.
+    pub fn answer(&self, auth: &JobAuth, challenge: &[u8]) -> Result<[u8; PROOF_LEN], String> {
+        if challenge.len() != CHALLENGE_LEN
+            || !auth.verify(SERVER_PROOF_LABEL, &self.bytes, &challenge[..NONCE_LEN], &challenge[NONCE_LEN..])
+        {
+            auth.refusals.count(self.magic);
+            return Err("the listener did not prove it holds this job epoch's key: it is not a process of this \
+                        job epoch (an old epoch's or another job's), or it was handed another key"
+                .into());
+        }
+        let proof = auth.proof(CLIENT_PROOF_LABEL, &self.bytes, &challenge[..NONCE_LEN]);
+        Ok(proof.as_ref().try_into().expect("HMAC-SHA256 tags are 32 bytes"))
+    }
+}
+
+/// The accepting side's half of a handshake in progress.
+#[derive(Debug)]
+pub struct ServerChallenge {
+    magic: [u8; 4],
+    hello: Vec<u8>,
+    challenge: [u8; CHALLENGE_LEN],
+}
+
+impl ServerChallenge {
+    /// The challenge to send: this side's nonce and proof.
+    pub fn bytes(&self) -> &[u8; CHALLENGE_LEN] {
+        &self.challenge
+    }
+
+    /// Accepting side, step 2: checks the connecting side's proof (over its hello and this side's
+    /// fresh nonce, so a recorded handshake does not pass twice). A failed check is counted.
+    pub fn verify(&self, auth: &JobAuth, proof: &[u8]) -> Result<(), String> {
+        if auth.verify(CLIENT_PROOF_LABEL, &self.hello, &self.challenge[..NONCE_LEN], proof) {
+            return Ok(());
+        }
+        auth.refusals.count(self.magic);
+        Err("the peer did not prove it holds this job epoch's key: it presented the right job token without \
+             the epoch's key (an old epoch's key, another key, or a replayed handshake)"
+            .into())
+    }
+}
+
+/// Writes a refusal: [`HELLO_REFUSED`] and the reason as a frame.
+async fn refuse(stream: &mut TcpStream, reason: &str) {
+    let mut b = vec![HELLO_REFUSED];
+    b.extend_from_slice(&(reason.len() as u32).to_le_bytes());
+    b.extend_from_slice(reason.as_bytes());
+    let _ = stream.write_all(&b).await;
+    let _ = stream.flush().await;
+}
+
+/// Reads the reason frame that follows [`HELLO_REFUSED`].
+async fn read_refusal(stream: &mut TcpStream, peer: &str) -> Result<String, NetError> {
+    let mut reason = Vec::new();
+    read_frame(stream, &mut reason, 64 << 10).await.map_err(|e| NetError::io("reading the refusal", peer, e))?;
+    Ok(String::from_utf8_lossy(&reason).into_owned())
+}
+
+/// Connecting side: sends `hello` with the job token and a fresh nonce, checks the accepting
+/// side's proof, sends its own and waits for the verdict. Each side learns why the other refused
+/// it ([`NetError::Refused`]).
+pub async fn send_hello(
+    stream: &mut TcpStream,
+    auth: &JobAuth,
+    hello: &Hello,
+    deadline: Instant,
+    peer: &str,
+) -> Result<(), NetError> {
     let what = "sending the handshake";
+    let ours = auth.client_hello(hello).map_err(|e| NetError::Io {
+        what: "drawing the handshake's nonce".into(),
+        peer: peer.into(),
+        source: io::Error::other(e.to_string()),
+    })?;
     until(deadline, what, peer, async {
-        write_frame(stream, &hello.encode()).await.map_err(|e| NetError::io(what, peer, e))?;
+        write_frame(stream, ours.bytes()).await.map_err(|e| NetError::io(what, peer, e))?;
         let mut answer = [0u8; 1];
         stream.read_exact(&mut answer).await.map_err(|e| NetError::io("waiting for the handshake answer", peer, e))?;
+        match answer[0] {
+            HELLO_CHALLENGE => {}
+            HELLO_REFUSED => {
+                return Err(NetError::Refused { peer: peer.into(), reason: read_refusal(stream, peer).await? });
+            }
+            b => {
+                return Err(NetError::Refused {
+                    peer: peer.into(),
+                    reason: format!("an unknown handshake answer {b}"),
+                });
+            }
+        }
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        stream
+            .read_exact(&mut challenge)
+            .await
+            .map_err(|e| NetError::io("reading the handshake challenge", peer, e))?;
+        let proof = match ours.answer(auth, &challenge) {
+            Ok(p) => p,
+            Err(reason) => {
+                refuse(stream, &reason).await;
+                return Err(NetError::Refused { peer: peer.into(), reason });
+            }
+        };
+        let mut b = [0u8; 1 + PROOF_LEN];
+        b[0] = HELLO_OK;
+        b[1..].copy_from_slice(&proof);
+        stream.write_all(&b).await.map_err(|e| NetError::io("sending the handshake proof", peer, e))?;
+        stream.read_exact(&mut answer).await.map_err(|e| NetError::io("waiting for the handshake verdict", peer, e))?;
         if answer[0] == HELLO_OK {
             return Ok(());
         }
-        let mut reason = Vec::new();
-        read_frame(stream, &mut reason, 64 << 10).await.map_err(|e| NetError::io("reading the refusal", peer, e))?;
-        Err(NetError::Refused { peer: peer.into(), reason: String::from_utf8_lossy(&reason).into_owned() })
+        Err(NetError::Refused { peer: peer.into(), reason: read_refusal(stream, peer).await? })
     })
     .await
 }
 
-/// Accepting side: reads a [`Hello`] and checks magic, version and token. On a mismatch it sends
-/// the reason to the peer and returns [`NetError::Refused`]; `check_extra` may refuse too.
+/// Accepting side: reads a [`Hello`], checks magic, version and token, challenges the peer to
+/// prove it holds the epoch's key (proving it holds it too), and only then lets `check_extra`
+/// look at what the peer claims. On any mismatch it sends the reason to the peer and returns
+/// [`NetError::Refused`]; every refusal is counted in the `auth`'s [`Refusals`].
 pub async fn accept_hello(
     stream: &mut TcpStream,
+    auth: &JobAuth,
     magic: [u8; 4],
     version: u16,
-    token: &str,
     deadline: Instant,
     check_extra: impl FnOnce(&Hello) -> Result<(), String>,
 ) -> Result<Hello, NetError> {
     let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
-    let what = "reading the handshake";
-    let mut buf = Vec::new();
-    until(deadline, what, &peer_addr, async {
-        read_frame(stream, &mut buf, 1 << 20).await.map_err(|e| NetError::io(what, peer_addr.as_str(), e))
+    let peer = peer_addr.as_str();
+    until(deadline, "handshaking", peer, async {
+        let mut buf = Vec::new();
+        read_frame(stream, &mut buf, 1 << 20).await.map_err(|e| NetError::io("reading the handshake", peer, e))?;
+        let (hello, challenge) = match auth.open_hello(&buf, magic, version) {
+            Ok(x) => x,
+            Err(reason) => {
+                refuse(stream, &reason).await;
+                return Err(NetError::Refused { peer: peer.into(), reason });
+            }
+        };
+        let mut b = [0u8; 1 + CHALLENGE_LEN];
+        b[0] = HELLO_CHALLENGE;
+        b[1..].copy_from_slice(challenge.bytes());
+        stream.write_all(&b).await.map_err(|e| NetError::io("sending the handshake challenge", peer, e))?;
+        let mut verdict = [0u8; 1];
+        stream.read_exact(&mut verdict).await.map_err(|e| NetError::io("waiting for the handshake proof", peer, e))?;
+        if verdict[0] != HELLO_OK {
+            let reason = read_refusal(stream, peer).await?;
+            return Err(NetError::Refused {
+                peer: peer.into(),
+                reason: format!("the peer refused this side: {reason}"),
+            });
+        }
+        let mut proof = [0u8; PROOF_LEN];
+        stream.read_exact(&mut proof).await.map_err(|e| NetError::io("reading the handshake proof", peer, e))?;
+        let checked = challenge
+            .verify(auth, &proof)
+            .and_then(|()| check_extra(&hello).inspect_err(|_| auth.refusals.count(magic)));
+        match checked {
+            Ok(()) => {
+                stream
+                    .write_all(&[HELLO_OK])
+                    .await
+                    .map_err(|e| NetError::io("answering the handshake", hello.peer.as_str(), e))?;
+                Ok(hello)
+            }
+            Err(reason) => {
+                refuse(stream, &reason).await;
+                Err(NetError::Refused { peer: peer.into(), reason })
+            }
+        }
     })
-    .await?;
-    let verdict = Hello::decode(&buf).and_then(|h| {
-        if h.magic != magic {
-            return Err(format!(
-                "protocol {:?} where {:?} was expected",
-                String::from_utf8_lossy(&h.magic),
-                String::from_utf8_lossy(&magic)
-            ));
-        }
-        if h.version != version {
-            return Err(format!(
-                "protocol version {} where {version} was expected; run matching worker images",
-                h.version
-            ));
-        }
-        if h.token != token {
-            return Err(format!(
-                "job token `{}` does not match `{token}`: the peer belongs to another job or epoch",
-                h.token
-            ));
-        }
-        check_extra(&h)?;
-        Ok(h)
-    });
-    match verdict {
-        Ok(h) => {
-            stream
-                .write_all(&[HELLO_OK])
-                .await
-                .map_err(|e| NetError::io("answering the handshake", h.peer.as_str(), e))?;
-            Ok(h)
-        }
-        Err(reason) => {
-            let _ = stream.write_all(&[HELLO_REFUSED]).await;
-            let _ = write_frame(stream, reason.as_bytes()).await;
-            let _ = stream.flush().await;
-            Err(NetError::Refused { peer: peer_addr, reason })
-        }
-    }
+    .await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn hello(token: &str) -> Hello {
-        Hello { magic: *b"TEST", version: 1, token: token.into(), peer: "p".into(), extra: vec![1, 2, 3] }
+    fn hello() -> Hello {
+        Hello { magic: *b"TEST", version: 1, peer: "p".into(), extra: vec![1, 2, 3] }
+    }
+
+    fn auth(token: &str, seed: u8) -> JobAuth {
+        JobAuth::new(token, &[seed; JOB_KEY_LEN])
     }
 
     #[test]
     fn hello_round_trips_and_rejects_truncation() {
-        let h = hello("e0-abc");
-        let b = h.encode();
-        assert_eq!(Hello::decode(&b).unwrap(), h);
+        let w = WireHello { hello: hello(), token: "e0-abc".into(), nonce: vec![7; NONCE_LEN] };
+        let b = w.encode();
+        assert_eq!(WireHello::decode(&b).unwrap(), w);
         for cut in 0..b.len() {
-            assert!(Hello::decode(&b[..cut]).is_err(), "cut at {cut}");
+            assert!(WireHello::decode(&b[..cut]).is_err(), "cut at {cut}");
         }
     }
 
-    #[tokio::test]
-    async fn token_mismatch_is_refused_with_the_reason_on_both_sides() {
+    #[test]
+    fn a_hello_without_a_nonce_says_the_peer_is_too_old() {
+        let w = WireHello { hello: hello(), token: "e0-abc".into(), nonce: vec![] };
+        let mut b = w.encode();
+        b.truncate(b.len() - 4);
+        let err = auth("e0-abc", 1).open_hello(&b, *b"TEST", 1).unwrap_err();
+        assert!(err.contains("no nonce") && err.contains("matching worker images"), "{err}");
+    }
+
+    #[test]
+    fn proofs_need_the_key_and_are_bound_to_both_nonces_and_a_side() {
+        let (good, other) = (auth("e1-x", 1), auth("e1-x", 2));
+        let c = good.client_hello(&hello()).unwrap();
+        let (_, challenge) = good.open_hello(c.bytes(), *b"TEST", 1).unwrap();
+        // Without the key the listener's proof fails, and the client's proof fails at the listener.
+        assert!(c.answer(&other, challenge.bytes()).is_err());
+        let forged = other.client_hello(&hello()).unwrap();
+        let (_, ch2) = good.open_hello(forged.bytes(), *b"TEST", 1).unwrap();
+        let bad_proof = forged.answer(&other, &{
+            // The forger can only sign with its own key.
+            let (_, mine) = other.open_hello(forged.bytes(), *b"TEST", 1).unwrap();
+            *mine.bytes()
+        });
+        assert!(ch2.verify(&good, &bad_proof.unwrap()).is_err());
+        // The right proof passes once; the same proof against a fresh challenge (a replay) fails.
+        let proof = c.answer(&good, challenge.bytes()).unwrap();
+        challenge.verify(&good, &proof).unwrap();
+        let (_, fresh) = good.open_hello(c.bytes(), *b"TEST", 1).unwrap();
+        assert!(fresh.verify(&good, &proof).is_err(), "a replayed proof must fail");
+        // A listener's proof is not a client's proof.
+        assert!(challenge.verify(&good, &challenge.bytes()[NONCE_LEN..]).is_err());
+        assert_eq!(good.refusals().total(), 3);
+        assert_eq!(other.refusals().total(), 1);
+        assert!(!format!("{good:?}").contains("1, 1"), "Debug never shows the key");
+    }
+
+    async fn handshake(client: JobAuth, server: JobAuth) -> (Result<(), NetError>, Result<Hello, NetError>) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let deadline = Instant::now() + Duration::from_secs(5);
         let server = tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
-            accept_hello(&mut s, *b"TEST", 1, "e1-good", deadline, |_| Ok(())).await
+            accept_hello(&mut s, &server, *b"TEST", 1, deadline, |_| Ok(())).await
         });
         let mut c = connect_retry(&addr, deadline, "test").await.unwrap();
-        let err = send_hello(&mut c, &hello("e0-stale"), deadline, &addr).await.unwrap_err();
-        assert!(err.to_string().contains("another job or epoch"), "{err}");
-        let server_err = server.await.unwrap().unwrap_err();
-        assert!(matches!(server_err, NetError::Refused { .. }));
+        let client = send_hello(&mut c, &client, &hello(), deadline, &addr).await;
+        (client, server.await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn token_mismatch_is_refused_with_the_reason_on_both_sides() {
+        let (server_auth, stale) = (auth("e1-good", 1), auth("e0-stale", 0));
+        let (c, s) = handshake(stale, server_auth.clone()).await;
+        assert!(c.unwrap_err().to_string().contains("another job or epoch"));
+        assert!(matches!(s.unwrap_err(), NetError::Refused { .. }));
+        assert_eq!(server_auth.refusals().snapshot(), vec![("TEST".to_string(), 1)]);
+    }
+
+    #[tokio::test]
+    async fn the_right_token_without_the_key_is_refused_on_both_sides() {
+        let (server_auth, keyless) = (auth("e1-good", 1), auth("e1-good", 9));
+        let (c, s) = handshake(keyless.clone(), server_auth.clone()).await;
+        let (c, s) = (c.unwrap_err().to_string(), s.unwrap_err().to_string());
+        assert!(c.contains("did not prove it holds this job epoch's key"), "{c}");
+        assert!(s.contains("the peer refused this side"), "{s}");
+        assert_eq!(keyless.refusals().total(), 1);
+        let (ok_c, ok_s) = handshake(server_auth.clone(), server_auth.clone()).await;
+        ok_c.unwrap();
+        assert_eq!(ok_s.unwrap().peer, "p");
     }
 
     #[tokio::test]
@@ -412,5 +837,22 @@ mod tests {
         let err = connect_retry(&addr, Instant::now() + Duration::from_millis(200), "refit").await.unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains(&addr) && msg.contains("refit"), "{msg}");
+    }
+
+    #[test]
+    fn a_missing_or_malformed_key_file_names_the_file_and_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key");
+        let err = JobAuth::load("t", &path, "job-key-e0").unwrap_err().to_string();
+        assert!(
+            err.contains(&path.display().to_string()) && err.contains("job-key-e0") && err.contains("openssl"),
+            "{err}"
+        );
+        std::fs::write(&path, "not a key").unwrap();
+        let err = JobAuth::load("t", &path, "job-key-e0").unwrap_err().to_string();
+        assert!(err.contains("is not a key") && err.contains("64 hexadecimal"), "{err}");
+        let key = JobAuth::generate_key().unwrap();
+        std::fs::write(&path, rlplane_api::plan::encode_job_key(&key)).unwrap();
+        assert_eq!(JobAuth::load("t", &path, "job-key-e0").unwrap().token(), "t");
     }
 }

@@ -30,6 +30,10 @@ pub struct WorkerArgs {
     /// Run only this process of the plan (a rank or `coordinator`); used by the supervisor.
     #[arg(long, hide = true)]
     pub process: Option<String>,
+    /// The job epoch's key file, overriding the plan's `job.keyFile` (the operator sets it to
+    /// where the key Secret is mounted).
+    #[arg(long, env = rlplane_api::plan::KEY_FILE_ENV)]
+    pub key_file: Option<PathBuf>,
 }
 
 /// Exit code for a plan or manifest the worker cannot use.
@@ -102,6 +106,9 @@ pub fn main(args: WorkerArgs) -> ExitCode {
         eprintln!("error: {e:#}");
         return ExitCode::from(EXIT_BAD_INPUT);
     }
+    if let Some(key_file) = &args.key_file {
+        plan.job.key_file = key_file.display().to_string();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
     let result = match &args.process {
         Some(name) => rt.block_on(run_one(&plan, name)),
@@ -120,15 +127,17 @@ pub fn main(args: WorkerArgs) -> ExitCode {
 pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> {
     let me = plan.process_index(name).with_context(|| format!("process `{name}` is not in the plan"))?;
     if plan.process(me).role == ProcessRole::Coordinator {
+        let auth = crate::net::JobAuth::for_plan(plan)?;
         let (control, tq) = bind_coordinator(plan).await?;
         let mut registry = crate::metrics::JobLabels::of(plan).registry(&[]);
         let metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
+        crate::metrics::HandshakeRefusals::register(&mut registry, auth.refusals());
         let served = crate::metrics::RankMetrics::default().serve(registry).await;
         crate::roles::announce_ready(served.addr());
         let reporter = crate::status::StatusReporter::in_cluster(&plan.job.namespace, &plan.job.name).await;
         let observer = crate::status::ReportingObserver { inner: LogObserver, reporter };
         let observed = crate::metrics::MetricsObserver { inner: &observer, metrics };
-        let record = coordinator::run(plan, control, tq, &observed).await?;
+        let record = coordinator::run(plan, &auth, control, tq, &observed).await?;
         drop(observed);
         // The last step's report goes out before the pod exits.
         if let Some(r) = observer.reporter {

@@ -217,10 +217,15 @@ async fn a_pod_serves_health_readiness_and_every_ranks_metrics_on_the_plan_port(
     let dir = std::env::temp_dir().join(format!("rlplane-test-pod-metrics-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let id = JobIdentity { name: "grpo-cpu-colocated".into(), namespace: "test".into(), uid: "uid-1".into(), epoch: 0 };
-    let plan = {
+    let mut plan = {
         let addressing = rlplane::local::LocalAddressing::new(&dir);
         build_plan(&job.spec, &id, &addressing).unwrap()
     };
+    // The epoch's key, where the operator would mount it: here, a file of the test's.
+    let key_file = dir.join("job.key");
+    let _ = std::fs::remove_file(&key_file);
+    rlplane::net::write_key_file(&key_file, &rlplane::net::JobAuth::generate_key().unwrap()).unwrap();
+    plan.job.key_file = key_file.display().to_string();
     assert_eq!(plan.pods.len(), 1, "one pod: {:?}", plan.pods.iter().map(|p| &p.name).collect::<Vec<_>>());
     for pod in &plan.pods {
         std::fs::create_dir_all(&pod.ipc_dir).unwrap();

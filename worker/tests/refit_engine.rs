@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use rlplane::net::JobAuth;
 use rlplane::refit::memory::HostTensors;
 use rlplane::refit::plan::{RefitPlan, ShardCoords};
 use rlplane::refit::stream::{RefitError, RefitReceiver, RefitSender, StagingPolicy, StreamConfig, WeightsState};
@@ -49,11 +50,12 @@ async fn connect(plan: &RefitPlan, receivers: u32) -> (TcpTransport, Vec<TcpTran
     let deadline = Instant::now() + Duration::from_secs(10);
     let options = &TcpOptions::default();
     let id = plan.identity();
-    let root_fut = tcp::connect_root(&root_listener, &route, id, TOKEN, options, deadline);
+    let auth = &JobAuth::new(TOKEN, &[0x42; 32]);
+    let root_fut = tcp::connect_root(&root_listener, &route, id, auth, options, deadline);
     let receiver_futs = futures::future::try_join_all(members.iter().zip(&listeners).map(|(m, l)| {
         let route = route.clone();
         async move {
-            let mut v = tcp::connect_receiver(l, m.process, &[(route, id)], TOKEN, options, deadline).await?;
+            let mut v = tcp::connect_receiver(l, m.process, &[(route, id)], auth, options, deadline).await?;
             Ok::<_, TransportError>(v.remove(0))
         }
     }));

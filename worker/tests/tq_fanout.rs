@@ -7,7 +7,7 @@ use rlplane::bench::tq::PeerProcess;
 use serde_json::json;
 use tq_support::*;
 
-fn follower(name: &str, token: &str, leader: &str) -> PeerProcess {
+fn follower(name: &str, token: &str, key_file: &str, leader: &str) -> PeerProcess {
     PeerProcess::spawn(
         exe(),
         name,
@@ -17,6 +17,8 @@ fn follower(name: &str, token: &str, leader: &str) -> PeerProcess {
             name.into(),
             "--token".into(),
             token.into(),
+            "--key-file".into(),
+            key_file.into(),
             "--leader".into(),
             leader.into(),
         ],
@@ -34,10 +36,10 @@ async fn the_leader_fans_out_identical_bytes_to_every_follower() {
     let lead = leader.call_ok("lead trainer-1,trainer-2,trainer-3", T).await.unwrap();
     let addr = lead["listen"].as_str().unwrap().to_string();
     // A stranger and a rank of another epoch are refused while the members join.
-    let mut stranger = follower("trainer-9", TOKEN, &addr);
-    let mut stale = follower("trainer-1", "e9-0000000000000000", &addr);
+    let mut stranger = follower("trainer-9", TOKEN, key_file(), &addr);
+    let mut stale = follower("trainer-1", "e9-0000000000000000", &key_file_of([9; 32]), &addr);
     let mut members: Vec<PeerProcess> =
-        ["trainer-1", "trainer-2", "trainer-3"].iter().map(|n| follower(n, TOKEN, &addr)).collect();
+        ["trainer-1", "trainer-2", "trainer-3"].iter().map(|n| follower(n, TOKEN, key_file(), &addr)).collect();
     let s = stranger.recv(T).await.unwrap();
     assert!(s["error"].as_str().unwrap().contains("not a follower"), "{s}");
     let s = stale.recv(T).await.unwrap();

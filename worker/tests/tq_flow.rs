@@ -6,6 +6,7 @@ mod tq_support;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use rlplane::net::JobAuth;
 use rlplane::tq::client::{ClientConfig, WriteRole};
 use rlplane::tq::{Column, TqClient, TqError};
 use rlplane_api::topology::{ClusterAddressing, JobIdentity, build_plan};
@@ -92,7 +93,7 @@ async fn put_claim_get_write_back_clear_across_processes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_of_another_job_or_epoch_is_refused() {
     let mut c = Cluster::start(1, 1 << 20, Duration::from_secs(30), 5_000).await;
-    let mut stale = c.client_with_token("gen-old", "e7-ffffffffffffffff", &[]);
+    let mut stale = c.client_with("gen-old", "e7-ffffffffffffffff", &key_file_of([7; 32]), &[]);
     let v = stale.call("put step-0 0 4 4 8 4 1", T).await.unwrap();
     assert_eq!(v["ok"], json!(false), "{v}");
     let msg = v["error"].as_str().unwrap();
@@ -137,8 +138,8 @@ async fn roles_come_from_the_plan_and_followers_cannot_write() {
     let mut roles = BTreeMap::new();
     for g in &plan.fanout_groups {
         for &m in &g.members {
-            let cfg = ClientConfig::from_plan(&plan, m).unwrap();
-            assert_eq!(cfg.token, plan.job.token);
+            let cfg = ClientConfig::from_plan(&plan, m, &JobAuth::new(&plan.job.token, &KEY)).unwrap();
+            assert_eq!(cfg.auth.token(), plan.job.token);
             roles.insert(plan.process(m).name.clone(), cfg.role.clone());
             if m == g.leader {
                 assert_eq!(cfg.role, WriteRole::Writer);
@@ -154,7 +155,7 @@ async fn roles_come_from_the_plan_and_followers_cannot_write() {
     assert_eq!(roles.len(), 4);
     // ProducerLocal: every engine's producer hosts its own unit and puts there.
     for u in &plan.storage_units {
-        let cfg = ClientConfig::from_plan(&plan, u.process).unwrap();
+        let cfg = ClientConfig::from_plan(&plan, u.process, &auth()).unwrap();
         assert_eq!(cfg.home_unit, Some(u.id));
         let client = TqClient::new(cfg, None).unwrap();
         assert_eq!(client.unit_for_key("any_g0").unwrap(), u.id);
@@ -163,7 +164,8 @@ async fn roles_come_from_the_plan_and_followers_cannot_write() {
     let mut s = spec(1, 2, TqPlacement::Dedicated);
     s.transfer_queue.storage_units = 3;
     let plan = build_plan(&s, &id, &addr).unwrap();
-    let client = TqClient::new(ClientConfig::from_plan(&plan, plan.generation_ranks()[0]).unwrap(), None).unwrap();
+    let client =
+        TqClient::new(ClientConfig::from_plan(&plan, plan.generation_ranks()[0], &auth()).unwrap(), None).unwrap();
     let used: BTreeSet<u32> = (0..64).map(|i| client.unit_for_key(&format!("{i}_g0")).unwrap()).collect();
     assert_eq!(used, BTreeSet::from([0, 1, 2]));
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use rlplane::net::{self, Hello};
+use rlplane::net::{self, Hello, JobAuth};
 use rlplane::tq::codec::{
     self, Block, Body, ErrorCode, Header, STORAGE_MAGIC, WIRE_VERSION, decode, decode_message_bytes,
     encode_message_bytes,
@@ -18,6 +18,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const TOKEN: &str = "e0-frames";
+
+fn auth() -> JobAuth {
+    JobAuth::new(TOKEN, &[0x33; 32])
+}
 
 fn header() -> Header {
     Header { version: WIRE_VERSION, request_id: 1, token: TOKEN.into() }
@@ -125,14 +129,8 @@ proptest! {
 async fn connect(addr: &str) -> TcpStream {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let mut s = net::connect_retry(addr, deadline, "test").await.unwrap();
-    let hello = Hello {
-        magic: STORAGE_MAGIC,
-        version: WIRE_VERSION,
-        token: TOKEN.into(),
-        peer: "fuzzer".into(),
-        extra: vec![],
-    };
-    net::send_hello(&mut s, &hello, deadline, addr).await.unwrap();
+    let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: "fuzzer".into(), extra: vec![] };
+    net::send_hello(&mut s, &auth(), &hello, deadline, addr).await.unwrap();
     s
 }
 
@@ -161,7 +159,7 @@ fn a_live_storage_unit_survives_mutated_frames_with_its_store_intact() {
         let kept = unit.get("keep", &keys, &["ids".into()]).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(StorageServer::new(unit.clone(), TOKEN, Duration::from_millis(200)).serve(listener));
+        tokio::spawn(StorageServer::new(unit.clone(), &auth(), Duration::from_millis(200)).serve(listener));
         (addr, kept)
     });
     let keep_bytes = unit.used();
@@ -201,7 +199,7 @@ async fn a_message_with_another_token_gets_an_error_reply_and_the_connection_goe
     let unit = Arc::new(StorageUnit::new(5, 1 << 20));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(StorageServer::new(unit.clone(), TOKEN, Duration::from_secs(1)).serve(listener));
+    tokio::spawn(StorageServer::new(unit.clone(), &auth(), Duration::from_secs(1)).serve(listener));
     let mut s = connect(&addr).await;
     // A put under another token: its buffers are skipped, the reply names the token.
     let mut msg = put_message(3);
@@ -227,14 +225,10 @@ async fn a_message_with_another_token_gets_an_error_reply_and_the_connection_goe
     assert!(matches!(codec::read_message(&mut s, &mut buf).await.unwrap().1, Body::Pong { unit: 5, .. }));
     // A hello with another token is refused at the door.
     let mut s = net::connect_retry(&addr, tokio::time::Instant::now() + Duration::from_secs(5), "t").await.unwrap();
-    let hello = Hello {
-        magic: STORAGE_MAGIC,
-        version: WIRE_VERSION,
-        token: "e1-other".into(),
-        peer: "x".into(),
-        extra: vec![],
-    };
-    let e =
-        net::send_hello(&mut s, &hello, tokio::time::Instant::now() + Duration::from_secs(5), &addr).await.unwrap_err();
+    let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: "x".into(), extra: vec![] };
+    let other = JobAuth::new("e1-other", &[1; 32]);
+    let e = net::send_hello(&mut s, &other, &hello, tokio::time::Instant::now() + Duration::from_secs(5), &addr)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("another job or epoch"), "{e}");
 }

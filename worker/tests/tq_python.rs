@@ -14,11 +14,12 @@ use rlplane_api::TqPlacement;
 use tq_support::*;
 
 const PRODUCER: &str = r#"
-import socket, struct, sys
+import hashlib, hmac, os, socket, struct, sys
 import numpy as np
 
-token, ctl_host, ctl_port, unit_host, unit_port, unit_id = sys.argv[1:7]
+token, key_file, ctl_host, ctl_port, unit_host, unit_port, unit_id = sys.argv[1:8]
 unit_id = int(unit_id)
+key = bytes.fromhex(open(key_file).read().strip())
 
 def s(x): b = x.encode(); return struct.pack("<I", len(b)) + b
 def strs(xs): return struct.pack("<I", len(xs)) + b"".join(s(x) for x in xs)
@@ -35,10 +36,17 @@ def recv_exact(sock, n):
 
 def connect(host, port, magic):
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(frame(magic + struct.pack("<H", 1) + s(token) + s("py-peer") + struct.pack("<I", 0)))
-    if recv_exact(sock, 1) != b"\0":
+    def refused():
         n = struct.unpack("<I", recv_exact(sock, 4))[0]
         raise RuntimeError("refused: " + recv_exact(sock, n).decode())
+    hello = magic + struct.pack("<H", 1) + s(token) + s("py-peer") + struct.pack("<I", 0) + struct.pack("<I", 32) + os.urandom(32)
+    sock.sendall(frame(hello))
+    if recv_exact(sock, 1) != b"\2": refused()
+    challenge = recv_exact(sock, 64)
+    def proof(side): return hmac.new(key, b"rlplane handshake v1: " + side + b"\0" + struct.pack("<I", len(hello)) + hello + challenge[:32], hashlib.sha256).digest()
+    if not hmac.compare_digest(proof(b"accepting side"), challenge[32:]): raise RuntimeError("the listener does not hold the job key")
+    sock.sendall(b"\0" + proof(b"connecting side"))
+    if recv_exact(sock, 1) != b"\0": refused()
     return sock
 
 def header(kind, rid=1): return struct.pack("<HBBI", 1, kind, 0, rid) + s(token)
@@ -158,6 +166,8 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
             "4".into(),
             "--token".into(),
             TOKEN.into(),
+            "--key-file".into(),
+            key_file().into(),
             "--capacity".into(),
             "1048576".into(),
         ],
@@ -167,14 +177,22 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
     let mut ctl = PeerProcess::spawn(
         exe(),
         "coordinator",
-        &["controller".into(), "--token".into(), TOKEN.into(), "--units".into(), format!("4={unit_addr}")],
+        &[
+            "controller".into(),
+            "--token".into(),
+            TOKEN.into(),
+            "--key-file".into(),
+            key_file().into(),
+            "--units".into(),
+            format!("4={unit_addr}"),
+        ],
     )
     .unwrap();
     let ctl_addr = ctl.recv(T).await.unwrap()["listen"].as_str().unwrap().to_string();
     let (ch, cp) = ctl_addr.rsplit_once(':').unwrap();
     let (uh, up) = unit_addr.rsplit_once(':').unwrap();
     let out = tokio::process::Command::new("python3")
-        .args(["-c", PRODUCER, TOKEN, ch, cp, uh, up, "4"])
+        .args(["-c", PRODUCER, TOKEN, key_file(), ch, cp, uh, up, "4"])
         .output()
         .await
         .unwrap();
@@ -187,7 +205,7 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
     // A Rust client reads what Python put.
     let client = TqClient::new(
         ClientConfig {
-            token: TOKEN.into(),
+            auth: auth(),
             name: "trainer-0".into(),
             controller: ctl_addr.clone(),
             units: BTreeMap::from([(4, unit_addr.clone())]),

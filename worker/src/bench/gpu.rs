@@ -302,11 +302,16 @@ pub async fn start(args: &GpuBenchArgs) -> anyhow::Result<Launched> {
         uid: format!("bench-{}", std::process::id()),
         epoch: 0,
     };
-    let plan = build_plan(&spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut plan = build_plan(&spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
     drop(addressing);
     for pod in &plan.pods {
         std::fs::create_dir_all(&pod.ipc_dir)?;
     }
+    // The peers authenticate with a fresh key in the bench's directory.
+    let key_path = dir.join("job.key");
+    let _ = std::fs::remove_file(&key_path);
+    crate::net::write_key_file(&key_path, &crate::net::JobAuth::generate_key()?)?;
+    plan.job.key_file = key_path.display().to_string();
     let plan_path = dir.join("plan.json");
     std::fs::write(&plan_path, plan.to_json())?;
     let bases = crate::local::gpu_bases(&plan, if args.colocated { usize::MAX } else { info.devices })?;
@@ -586,6 +591,7 @@ enum Side {
 
 struct PeerState {
     plan: WorkerPlan,
+    auth: crate::net::JobAuth,
     me: u32,
     gpu: Gpu,
     is_sender: bool,
@@ -621,6 +627,7 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         DeviceTensors::alloc(&gpu, plan.manifest().iter().map(|t| Some(t.size_bytes())))?
     });
     let mut st = PeerState {
+        auth: crate::net::JobAuth::for_plan(&plan)?,
         plan,
         me,
         gpu,
@@ -838,12 +845,30 @@ impl PeerState {
         let listener = refit_side::bind(&plan, self.me, kind, self.is_sender).await?;
         self.side = Some(if self.is_sender {
             let pos = group.senders.iter().position(|&s| s == self.me).context("a sender")?;
-            let sender =
-                refit_side::connect_sender(&plan, self.me, &group, kind, Some(&self.gpu), &listener, staged).await?;
+            let sender = refit_side::connect_sender(
+                &plan,
+                self.me,
+                &self.auth,
+                &group,
+                kind,
+                Some(&self.gpu),
+                &listener,
+                staged,
+            )
+            .await?;
             Side::Sender { sender, pos }
         } else {
-            let (r, _) =
-                refit_side::connect_receiver(&plan, self.me, &group, kind, Some(&self.gpu), &listener, staged).await?;
+            let (r, _) = refit_side::connect_receiver(
+                &plan,
+                self.me,
+                &self.auth,
+                &group,
+                kind,
+                Some(&self.gpu),
+                &listener,
+                staged,
+            )
+            .await?;
             Side::Receiver(r)
         });
         Ok(())

@@ -27,7 +27,7 @@ use tokio::net::TcpStream;
 use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio::time::Instant;
 
-use crate::net;
+use crate::net::{self, JobAuth};
 use crate::refit::memory::{Copy2d, HostTensors, MemorySpace};
 use crate::refit::{
     self, RefitReceiver, RefitSender, RefitStats, SenderLayout, StagingPolicy, StreamConfig, WeightsState,
@@ -453,6 +453,7 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
 
 struct PeerSetup {
     wp: WorkerPlan,
+    auth: JobAuth,
     me: u32,
     name: String,
     manifest: Vec<TensorSpec>,
@@ -479,6 +480,7 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
     let mut config = StreamConfig::from_spec(&wp.refit);
     config.staging = args.stream.staging.into();
     let setup = PeerSetup {
+        auth: JobAuth::for_plan(&wp)?,
         manifest: wp.manifest(),
         name: args.process.clone(),
         wp,
@@ -516,7 +518,7 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
     let stream = s.streams.iter().find(|x| x.sender == s.me).context("no stream for this sender")?;
     let layout = stream.plan.layout();
     let listener = refit::bind_listener(&s.wp, s.me).await?;
-    let transport = refit::connect_tcp_sender(&s.wp, stream, &listener, &s.options).await?;
+    let transport = refit::connect_tcp_sender(&s.wp, stream, &listener, &s.auth, &s.options).await?;
     let mut raw = match args.raw_port {
         Some(port) => {
             let deadline = Instant::now() + s.config.timeout;
@@ -548,7 +550,7 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
                     }
                 }
                 if broken {
-                    let t = refit::connect_tcp_sender(&s.wp, stream, &listener, &s.options).await?;
+                    let t = refit::connect_tcp_sender(&s.wp, stream, &listener, &s.auth, &s.options).await?;
                     sender.replace_transport(Slow { inner: t, delay: s.slow });
                 }
                 let start = Instant::now();
@@ -603,7 +605,7 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
         _ => None,
     };
     let listener = refit::bind_listener(&s.wp, s.me).await?;
-    let transports = refit::connect_tcp_receiver(&s.wp, s.me, &s.streams, &listener, &s.options).await?;
+    let transports = refit::connect_tcp_receiver(&s.wp, s.me, &s.streams, &listener, &s.auth, &s.options).await?;
     let mut raw = match raw_listener {
         Some(l) => {
             let deadline = Instant::now() + s.config.timeout;
@@ -630,7 +632,8 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
         match cmd.as_str() {
             "refit" => {
                 if broken {
-                    let t = refit::connect_tcp_receiver(&s.wp, s.me, &s.streams, &listener, &s.options).await?;
+                    let t =
+                        refit::connect_tcp_receiver(&s.wp, s.me, &s.streams, &listener, &s.auth, &s.options).await?;
                     receiver.replace_transports(t.into_iter().map(slow).collect())?;
                 }
                 let start = Instant::now();
@@ -789,7 +792,12 @@ impl Harness {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
         ));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let plan = loopback_plan(&options, &dir)?;
+        let mut plan = loopback_plan(&options, &dir)?;
+        // The peers authenticate with a fresh key in the harness's directory.
+        let key_path = dir.join("job.key");
+        net::write_key_file(&key_path, &JobAuth::generate_key()?)
+            .with_context(|| format!("writing {}", key_path.display()))?;
+        plan.job.key_file = key_path.display().to_string();
         let plan_path = dir.join("plan.json");
         std::fs::write(&plan_path, plan.to_json())?;
         let group = plan.refit_groups.first().context("the plan has no refit group")?.clone();

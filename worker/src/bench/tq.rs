@@ -11,7 +11,7 @@
 //! Peers are driven over stdin/stdout: one command per line, one JSON reply per line.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
-use crate::net;
+use crate::net::{self, JobAuth};
 use crate::tq::codec::ErrorCode;
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{
@@ -108,6 +108,9 @@ pub struct ControllerArgs {
     /// Job token.
     #[arg(long)]
     pub token: String,
+    /// File holding the job key (64 hex characters), e.g. from `openssl rand -hex 32`.
+    #[arg(long)]
+    pub key_file: PathBuf,
     /// Storage units, `ID=ADDR,ID=ADDR`.
     #[arg(long, default_value = "")]
     pub units: String,
@@ -128,6 +131,9 @@ pub struct StorageArgs {
     /// Job token.
     #[arg(long)]
     pub token: String,
+    /// File holding the job key (64 hex characters), e.g. from `openssl rand -hex 32`.
+    #[arg(long)]
+    pub key_file: PathBuf,
     /// Capacity in bytes.
     #[arg(long)]
     pub capacity: u64,
@@ -145,6 +151,9 @@ pub struct ClientArgs {
     /// Job token.
     #[arg(long)]
     pub token: String,
+    /// File holding the job key (64 hex characters), e.g. from `openssl rand -hex 32`.
+    #[arg(long)]
+    pub key_file: PathBuf,
     /// Controller address.
     #[arg(long)]
     pub controller: String,
@@ -180,6 +189,9 @@ pub struct FollowerArgs {
     /// Job token.
     #[arg(long)]
     pub token: String,
+    /// File holding the job key (64 hex characters), e.g. from `openssl rand -hex 32`.
+    #[arg(long)]
+    pub key_file: PathBuf,
     /// Leader's fan-out address.
     #[arg(long)]
     pub leader: String,
@@ -249,15 +261,29 @@ pub fn rss() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// The authentication of a peer: `token` and the key in `key_file`.
+fn peer_auth(token: &str, key_file: &Path) -> anyhow::Result<JobAuth> {
+    Ok(JobAuth::load(token, key_file, "(none: pass this peer's --key-file)")?)
+}
+
+/// Removes a file when dropped (the benchmark's key file, however the benchmark ends).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 async fn serve_unit(
     unit: Arc<StorageUnit>,
     listen: &str,
-    token: &str,
+    auth: &JobAuth,
     put_timeout: Duration,
 ) -> anyhow::Result<String> {
     let listener = net::bind(listen, "a transfer-queue storage unit").await?;
     let addr = listener.local_addr()?.to_string();
-    let server = StorageServer::new(unit, token, put_timeout);
+    let server = StorageServer::new(unit, auth, put_timeout);
     tokio::spawn(async move {
         if let Err(e) = server.serve(listener).await {
             tracing::error!(error = %e, "storage server stopped");
@@ -268,7 +294,8 @@ async fn serve_unit(
 
 async fn storage_peer(a: StorageArgs) -> anyhow::Result<()> {
     let unit = Arc::new(StorageUnit::new(a.unit, a.capacity));
-    let addr = serve_unit(unit.clone(), &a.listen, &a.token, Duration::from_millis(a.put_timeout_ms)).await?;
+    let auth = peer_auth(&a.token, &a.key_file)?;
+    let addr = serve_unit(unit.clone(), &a.listen, &auth, Duration::from_millis(a.put_timeout_ms)).await?;
     say(json!({"ok": true, "listen": addr})).await?;
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Some(line) = lines.next_line().await? {
@@ -393,17 +420,18 @@ struct ClientState {
     batch: Option<Batch>,
     accepting: Option<tokio::task::JoinHandle<Result<TcpFanoutLeader, TqError>>>,
     leader: Option<TcpFanoutLeader>,
-    token: String,
+    auth: JobAuth,
 }
 
 async fn client_peer(a: ClientArgs) -> anyhow::Result<()> {
     let put_timeout = Duration::from_millis(a.put_timeout_ms);
     let mut units = parse_units(&a.units)?;
     let placement = parse_placement(&a.placement)?;
+    let auth = peer_auth(&a.token, &a.key_file)?;
     let hosted = match a.host_unit {
         Some(id) => {
             let unit = Arc::new(StorageUnit::new(id, a.capacity));
-            let addr = serve_unit(unit.clone(), &a.listen, &a.token, put_timeout).await?;
+            let addr = serve_unit(unit.clone(), &a.listen, &auth, put_timeout).await?;
             units.insert(id, addr.clone());
             say(json!({"ok": true, "listen": addr})).await?;
             Some(unit)
@@ -411,7 +439,7 @@ async fn client_peer(a: ClientArgs) -> anyhow::Result<()> {
         None => None,
     };
     let config = ClientConfig {
-        token: a.token.clone(),
+        auth: auth.clone(),
         name: a.name.clone(),
         controller: a.controller.clone(),
         units,
@@ -425,16 +453,8 @@ async fn client_peer(a: ClientArgs) -> anyhow::Result<()> {
         },
     };
     let client = TqClient::new(config, hosted.clone())?;
-    let mut st = ClientState {
-        client,
-        hosted,
-        claim: None,
-        meta: None,
-        batch: None,
-        accepting: None,
-        leader: None,
-        token: a.token,
-    };
+    let mut st =
+        ClientState { client, hosted, claim: None, meta: None, batch: None, accepting: None, leader: None, auth };
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Some(line) = lines.next_line().await? {
         let line = line.trim().to_string();
@@ -550,10 +570,10 @@ async fn client_command(st: &mut ClientState, line: &str) -> anyhow::Result<Valu
             let names = fields_arg(args.first().copied());
             let listener = net::bind("127.0.0.1:0", "the fan-out group").await?;
             let addr = listener.local_addr()?.to_string();
-            let token = st.token.clone();
+            let auth = st.auth.clone();
             st.accepting = Some(tokio::spawn(async move {
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-                TcpFanoutLeader::accept(&listener, &token, &names, deadline).await
+                TcpFanoutLeader::accept(&listener, &auth, &names, deadline).await
             }));
             Ok(json!({"ok": true, "listen": addr}))
         }
@@ -580,7 +600,8 @@ async fn client_command(st: &mut ClientState, line: &str) -> anyhow::Result<Valu
 
 async fn follower_peer(a: FollowerArgs) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let mut f = match TcpFanoutFollower::connect(&a.leader, &a.token, &a.name, deadline).await {
+    let auth = peer_auth(&a.token, &a.key_file)?;
+    let mut f = match TcpFanoutFollower::connect(&a.leader, &auth, &a.name, deadline).await {
         Ok(f) => f,
         Err(e) => return say(error_json(&e)).await,
     };
@@ -595,8 +616,8 @@ async fn follower_peer(a: FollowerArgs) -> anyhow::Result<()> {
 
 async fn controller_peer(a: ControllerArgs) -> anyhow::Result<()> {
     let units = parse_units(&a.units)?;
-    let controller =
-        TqController::new(ControllerConfig { token: a.token, lease: Duration::from_millis(a.lease_ms), units });
+    let auth = peer_auth(&a.token, &a.key_file)?;
+    let controller = TqController::new(ControllerConfig { auth, lease: Duration::from_millis(a.lease_ms), units });
     let listener = net::bind(&a.listen, "the transfer-queue controller").await?;
     say(json!({"ok": true, "listen": listener.local_addr()?.to_string()})).await?;
     tokio::spawn(controller.clone().serve(listener));
@@ -778,6 +799,14 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     }
     let exe = crate::proc::self_exe()?;
     let token = "bench-token".to_string();
+    // Every peer authenticates with one key, in a file only this user can read.
+    let key = JobAuth::generate_key()?;
+    let key_path = std::env::temp_dir().join(format!("rlplane-tqbench-{}.key", std::process::id()));
+    let _ = std::fs::remove_file(&key_path);
+    net::write_key_file(&key_path, &key).with_context(|| format!("writing {}", key_path.display()))?;
+    let _remove_key = RemoveOnDrop(key_path.clone());
+    let key_file = key_path.display().to_string();
+    let auth = JobAuth::new(&token, &key);
     let s = a.storage_units;
     // The controller's port first: producers and consumers need it.
     let ctl_listener = net::bind("127.0.0.1:0", "the transfer-queue controller").await?;
@@ -800,6 +829,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
                         u.to_string(),
                         "--token".into(),
                         token.clone(),
+                        "--key-file".into(),
+                        key_file.clone(),
                         "--capacity".into(),
                         a.capacity_bytes.to_string(),
                     ],
@@ -818,6 +849,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
                         format!("gen-{u}"),
                         "--token".into(),
                         token.clone(),
+                        "--key-file".into(),
+                        key_file.clone(),
                         "--controller".into(),
                         ctl_addr.clone(),
                         "--placement".into(),
@@ -848,6 +881,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
                     format!("gen-{u}"),
                     "--token".into(),
                     token.clone(),
+                    "--key-file".into(),
+                    key_file.clone(),
                     "--controller".into(),
                     ctl_addr.clone(),
                     "--units".into(),
@@ -871,6 +906,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
                 format!("trainer-{c}"),
                 "--token".into(),
                 token.clone(),
+                "--key-file".into(),
+                key_file.clone(),
                 "--controller".into(),
                 ctl_addr.clone(),
                 "--units".into(),
@@ -901,6 +938,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
                         n.clone(),
                         "--token".into(),
                         token.clone(),
+                        "--key-file".into(),
+                        key_file.clone(),
                         "--leader".into(),
                         addr.clone(),
                         "--batches".into(),
@@ -919,6 +958,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
                         n.clone(),
                         "--token".into(),
                         token.clone(),
+                        "--key-file".into(),
+                        key_file.clone(),
                         "--controller".into(),
                         ctl_addr.clone(),
                         "--units".into(),
@@ -930,7 +971,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         followers.push(shard);
     }
     let controller = TqController::new(ControllerConfig {
-        token: token.clone(),
+        auth: auth.clone(),
         lease: Duration::from_secs(60),
         units: units.clone(),
     });
@@ -1114,7 +1155,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     controller.register(&meta)?;
     let client = TqClient::new(
         ClientConfig {
-            token: token.clone(),
+            auth: auth.clone(),
             name: "bench".into(),
             controller: ctl_addr.clone(),
             units: units.clone(),

@@ -22,6 +22,7 @@ pub use memory::{DestinationMemory, HostTensors, MemorySpace, Region, SourceMemo
 pub use plan::{PlanError, PlanIdentity, RefitPlan, Segment, SenderLayout, ShardCoords};
 pub use stream::{RefitError, RefitReceiver, RefitSender, RefitStats, StagingPolicy, StreamConfig, WeightsState};
 
+use crate::net::JobAuth;
 use crate::transport::tcp::{self, RefitListener, Route, TcpOptions, TcpTransport};
 
 /// One sender's stream in a refit group: the sender, its plan and its relay route.
@@ -94,10 +95,11 @@ pub async fn connect_tcp_sender(
     wp: &WorkerPlan,
     stream: &StreamInfo,
     listener: &RefitListener,
+    auth: &JobAuth,
     options: &TcpOptions,
 ) -> Result<TcpTransport, RefitError> {
     let deadline = Instant::now() + StreamConfig::from_spec(&wp.refit).timeout;
-    tcp::connect_root(listener, &stream.route, stream.plan.identity(), &wp.job.token, options, deadline)
+    tcp::connect_root(listener, &stream.route, stream.plan.identity(), auth, options, deadline)
         .await
         .map_err(RefitError::Connect)
 }
@@ -109,9 +111,10 @@ pub async fn connect_tcp_receiver(
     me: u32,
     streams: &[StreamInfo],
     listener: &RefitListener,
+    auth: &JobAuth,
     options: &TcpOptions,
 ) -> Result<Vec<TcpTransport>, RefitError> {
     let deadline = Instant::now() + StreamConfig::from_spec(&wp.refit).timeout;
     let routes: Vec<_> = streams.iter().map(|s| (s.route.clone(), s.plan.identity())).collect();
-    tcp::connect_receiver(listener, me, &routes, &wp.job.token, options, deadline).await.map_err(RefitError::Connect)
+    tcp::connect_receiver(listener, me, &routes, auth, options, deadline).await.map_err(RefitError::Connect)
 }

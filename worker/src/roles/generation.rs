@@ -18,6 +18,7 @@ use super::refit_side::{self, Receiver, Weights};
 use super::{Rank, announce_ready, secs, serve_commands};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::metrics::RankMetrics;
+use crate::net::JobAuth;
 use crate::refit::RefitPlan;
 use crate::tq::{ClientConfig, Column, PutOptions, TqClient};
 use crate::workload::{self, fields};
@@ -37,6 +38,7 @@ struct Generation {
 pub async fn run(
     plan: &WorkerPlan,
     me: u32,
+    auth: &JobAuth,
     control: impl Future<Output = Result<ControlClient, ControlError>>,
     metrics: RankMetrics,
 ) -> anyhow::Result<()> {
@@ -50,7 +52,7 @@ pub async fn run(
     if coords.producer && plan.transfer_queue.placement == TqPlacement::ProducerLocal {
         let unit = plan.storage_units.iter().find(|u| u.process == me).context("no storage unit for this producer")?;
         let (storage, task) =
-            super::storage::start_unit(plan, me, unit.id, &metrics, "the producer's storage unit").await?;
+            super::storage::start_unit(plan, me, unit.id, auth, &metrics, "the producer's storage unit").await?;
         serving = Some(task);
         local_unit = Some(storage);
     }
@@ -63,11 +65,12 @@ pub async fn run(
 
     let (control, connected) = tokio::join!(
         control,
-        refit_side::connect_receiver(plan, me, &group, kind, gpu.as_ref(), &refit_listener, false)
+        refit_side::connect_receiver(plan, me, auth, &group, kind, gpu.as_ref(), &refit_listener, false)
     );
     let mut control = control?;
     let (receiver, plans) = connected?;
-    let tq = if coords.producer { Some(TqClient::new(ClientConfig::from_plan(plan, me)?, local_unit)?) } else { None };
+    let tq =
+        if coords.producer { Some(TqClient::new(ClientConfig::from_plan(plan, me, auth)?, local_unit)?) } else { None };
     let weights = Weights::alloc(kind, gpu.as_ref(), plan.manifest().iter().map(|t| Some(t.size_bytes())))?;
     let mut rank = Generation { plan: plan.clone(), engine: coords.engine, tq, plans, receiver, weights, metrics };
     let r = serve_commands(&mut control, &mut rank, &plan.job.token).await;

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::control::{Command, ControlClient, Envelope, Reply, Report};
+use crate::net::JobAuth;
 use crate::supervisor::READY_PREFIX;
 
 /// How long a rank waits for its peers and the coordinator at start-up.
@@ -87,13 +88,16 @@ pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R, 
 pub async fn run_process(plan: WorkerPlan, me: u32) -> anyhow::Result<()> {
     let deadline = Instant::now() + startup_timeout(&plan);
     let name = plan.process(me).name.clone();
-    let (registry, metrics) = crate::metrics::RankMetrics::for_process(&plan, me);
+    // The epoch's key first: without it this rank could not join any of its peers.
+    let auth = JobAuth::for_plan(&plan)?;
+    let (mut registry, metrics) = crate::metrics::RankMetrics::for_process(&plan, me);
+    crate::metrics::HandshakeRefusals::register(&mut registry, auth.refusals());
     let metrics = metrics.serve(registry).await;
-    let control = async { ControlClient::connect(&plan.control_address(), &plan.job.token, &name, deadline).await };
+    let control = async { ControlClient::connect(&plan.control_address(), &auth, &name, deadline).await };
     match plan.process(me).role {
-        ProcessRole::Trainer(_) => trainer::run(&plan, me, control, metrics).await,
-        ProcessRole::Generation(_) => generation::run(&plan, me, control, metrics).await,
-        ProcessRole::Storage { .. } => storage::run(&plan, me, control, metrics).await,
+        ProcessRole::Trainer(_) => trainer::run(&plan, me, &auth, control, metrics).await,
+        ProcessRole::Generation(_) => generation::run(&plan, me, &auth, control, metrics).await,
+        ProcessRole::Storage { .. } => storage::run(&plan, me, &auth, control, metrics).await,
         ProcessRole::Coordinator => anyhow::bail!("the coordinator is not a rank; run it with the coordinator role"),
     }
 }

@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use crate::digest::{digest_strided, fill, segment_term, tensor_seed};
 use crate::gpu::Gpu;
 use crate::gpu::tensors::DeviceTensors;
+use crate::net::JobAuth;
 use crate::refit::memory::{DestinationMemory, HostTensors, Region, SourceMemory};
 use crate::refit::{self, RefitPlan, RefitReceiver, RefitSender, RefitStats, StreamConfig, WeightsState};
 use crate::transport::cuda_ipc::{self, IpcMode, IpcTransport};
@@ -254,9 +255,11 @@ fn timeouts(plan: &WorkerPlan) -> (Duration, Instant) {
 
 /// Connects sender `me` of `group`. `staged` forces the classic pack → send → unpack path (for
 /// comparisons; with CUDA IPC it lends staging buffers instead of the weights).
+#[allow(clippy::too_many_arguments)]
 pub async fn connect_sender(
     plan: &WorkerPlan,
     me: u32,
+    auth: &JobAuth,
     group: &RefitGroup,
     kind: Kind,
     gpu: Option<&Gpu>,
@@ -273,7 +276,7 @@ pub async fn connect_sender(
         (Kind::Tcp, Listener::Tcp(l)) => {
             let options = TcpOptions::default();
             let streams = refit::group_streams(plan, group, &options)?;
-            let t = refit::connect_tcp_sender(plan, &streams[pos], l, &options).await?;
+            let t = refit::connect_tcp_sender(plan, &streams[pos], l, auth, &options).await?;
             Sender::Tcp(Box::new(RefitSender::new(streams[pos].plan.clone(), t, config)?))
         }
         (Kind::Nccl, Listener::Nccl(l)) => {
@@ -281,26 +284,16 @@ pub async fn connect_sender(
             // Sender k rotates the receivers by k, so forwarding spreads over them (see `root`);
             // RLPLANE_NCCL_RING_ROTATION=off keeps one order, for comparison.
             let rotation = if std::env::var("RLPLANE_NCCL_RING_ROTATION").is_ok_and(|v| v == "off") { 0 } else { pos };
-            let t = NcclTransport::root(
-                &name,
-                gpu,
-                l,
-                &receivers,
-                rotation,
-                &rplan.identity(),
-                &plan.job.token,
-                timeout,
-                deadline,
-            )
-            .await?;
+            let t =
+                NcclTransport::root(&name, gpu, l, &receivers, rotation, &rplan.identity(), auth, timeout, deadline)
+                    .await?;
             Sender::Nccl(Box::new(RefitSender::new(rplan, t, config)?))
         }
         (Kind::Ipc, _) => {
             let gpu = gpu.context("CUDA IPC needs a GPU")?;
             let ep = cuda_ipc::endpoint(plan, me);
             let mode = if staged { IpcMode::Staged } else { IpcMode::Direct };
-            let t =
-                IpcTransport::root(&name, gpu, &ep, &receivers, rplan.clone(), mode, &plan.job.token, deadline).await?;
+            let t = IpcTransport::root(&name, gpu, &ep, &receivers, rplan.clone(), mode, auth, deadline).await?;
             Sender::Ipc(Box::new(RefitSender::new(rplan, t, config)?))
         }
         _ => anyhow::bail!("refit listener does not match the transport {kind:?}"),
@@ -309,9 +302,11 @@ pub async fn connect_sender(
 
 /// Connects receiver `me` to every sender of `group`; returns the receiver and the senders'
 /// plans (in sender order, for the digests).
+#[allow(clippy::too_many_arguments)]
 pub async fn connect_receiver(
     plan: &WorkerPlan,
     me: u32,
+    auth: &JobAuth,
     group: &RefitGroup,
     kind: Kind,
     gpu: Option<&Gpu>,
@@ -327,7 +322,7 @@ pub async fn connect_receiver(
         (Kind::Tcp, Listener::Tcp(l)) => {
             let options = TcpOptions::default();
             let streams = refit::group_streams(plan, group, &options)?;
-            let ts = refit::connect_tcp_receiver(plan, me, &streams, l, &options).await?;
+            let ts = refit::connect_tcp_receiver(plan, me, &streams, l, auth, &options).await?;
             Receiver::Tcp(Box::new(RefitReceiver::new(
                 streams.iter().map(|s| s.plan.clone()).zip(ts).collect(),
                 config,
@@ -339,17 +334,9 @@ pub async fn connect_receiver(
             for (i, &s) in group.senders.iter().enumerate() {
                 let addr = plan.address(s, plan.process(s).ports.refit.context("a sender without a refit port")?);
                 let label = format!("nccl stream of {} at {name}", plan.process(s).name);
-                let t = NcclTransport::receiver(
-                    &label,
-                    &name,
-                    gpu,
-                    &addr,
-                    &plans[i].identity(),
-                    &plan.job.token,
-                    timeout,
-                    deadline,
-                )
-                .await?;
+                let t =
+                    NcclTransport::receiver(&label, &name, gpu, &addr, &plans[i].identity(), auth, timeout, deadline)
+                        .await?;
                 streams.push((plans[i].clone(), t));
             }
             Receiver::Nccl(Box::new(RefitReceiver::new(streams, config)?))
@@ -365,7 +352,7 @@ pub async fn connect_receiver(
                     gpu,
                     &cuda_ipc::endpoint(plan, s),
                     plans[i].clone(),
-                    &plan.job.token,
+                    auth,
                     deadline,
                 )
                 .await?;

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use super::{Rank, announce_ready, serve_commands};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::metrics::RankMetrics;
-use crate::net::NetError;
+use crate::net::{JobAuth, NetError};
 use crate::tq::{StorageServer, StorageUnit};
 
 struct Idle;
@@ -26,13 +26,14 @@ impl Rank for Idle {
 pub async fn run(
     plan: &WorkerPlan,
     me: u32,
+    auth: &JobAuth,
     control: impl Future<Output = Result<ControlClient, ControlError>>,
     metrics: RankMetrics,
 ) -> anyhow::Result<()> {
     let ProcessRole::Storage { unit } = plan.process(me).role else {
         anyhow::bail!("process {me} is not a storage unit")
     };
-    let (_, serving) = start_unit(plan, me, unit, &metrics, "the storage unit").await?;
+    let (_, serving) = start_unit(plan, me, unit, auth, &metrics, "the storage unit").await?;
     announce_ready(metrics.addr());
     let mut control = control.await?;
     let r = serve_commands(&mut control, &mut Idle, &plan.job.token).await;
@@ -47,6 +48,7 @@ pub(super) async fn start_unit(
     plan: &WorkerPlan,
     me: u32,
     unit: u32,
+    auth: &JobAuth,
     metrics: &RankMetrics,
     what: &str,
 ) -> anyhow::Result<(Arc<StorageUnit>, JoinHandle<Result<(), NetError>>)> {
@@ -54,10 +56,7 @@ pub(super) async fn start_unit(
     let listener = crate::net::bind(&plan.bind_address(me, port), what).await?;
     let storage = Arc::new(StorageUnit::new(unit, plan.transfer_queue.capacity_bytes));
     metrics.storage_unit(storage.clone());
-    let server = StorageServer::new(
-        storage.clone(),
-        &plan.job.token,
-        Duration::from_secs(plan.transfer_queue.put_timeout_seconds as u64),
-    );
+    let server =
+        StorageServer::new(storage.clone(), auth, Duration::from_secs(plan.transfer_queue.put_timeout_seconds as u64));
     Ok((storage, tokio::spawn(server.serve(listener))))
 }

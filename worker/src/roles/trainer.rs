@@ -21,6 +21,7 @@ use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::digest::Digest;
 use crate::metrics::RankMetrics;
+use crate::net::JobAuth;
 use crate::refit::{self, RefitPlan, ShardCoords};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
@@ -48,6 +49,7 @@ struct Trainer {
 pub async fn run(
     plan: &WorkerPlan,
     me: u32,
+    auth: &JobAuth,
     control: impl Future<Output = Result<ControlClient, ControlError>>,
     metrics: RankMetrics,
 ) -> anyhow::Result<()> {
@@ -84,15 +86,15 @@ pub async fn run(
                 let g = plan.fanout_group_of(me).context("a leader without a fan-out group")?;
                 let followers: Vec<String> =
                     g.members.iter().filter(|&&m| m != me).map(|&m| plan.process(m).name.clone()).collect();
-                Fanout::Leader(TcpFanoutLeader::accept(l, &plan.job.token, &followers, deadline).await?)
+                Fanout::Leader(TcpFanoutLeader::accept(l, auth, &followers, deadline).await?)
             }
-            None => Fanout::Follower(TcpFanoutFollower::from_plan(plan, me, deadline).await?),
+            None => Fanout::Follower(TcpFanoutFollower::from_plan(plan, me, auth, deadline).await?),
         })
     };
     let sender = async {
         let (Some(g), Some(listener)) = (&group, &refit_listener) else { return anyhow::Ok(None) };
         let pos = g.senders.iter().position(|&s| s == me).expect("a sender of its group");
-        let s = refit_side::connect_sender(plan, me, g, kind, gpu.as_ref(), listener, false).await?;
+        let s = refit_side::connect_sender(plan, me, auth, g, kind, gpu.as_ref(), listener, false).await?;
         Ok(Some((s, pos)))
     };
     let (control, fanout, sender) = tokio::join!(control, fanout, sender);
@@ -110,7 +112,7 @@ pub async fn run(
         )?,
     };
     let shard = Weights::alloc(kind, gpu.as_ref(), shard_plan.tensors().iter().map(|t| t.source_bytes))?;
-    let tq = TqClient::new(ClientConfig::from_plan(plan, me)?, None)?;
+    let tq = TqClient::new(ClientConfig::from_plan(plan, me, auth)?, None)?;
     let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics };
     serve_commands(&mut control, &mut rank, &plan.job.token).await
 }

@@ -27,7 +27,7 @@ use super::codec::{self, Block, Body, CONTROLLER_MAGIC, ErrorCode, Header, Outgo
 use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleMeta, SampleTags};
 use super::controller::{AckReport, Claim, ClearReport, connect_unit};
 use super::storage::StorageUnit;
-use crate::net::{self, Hello, NetError};
+use crate::net::{self, Hello, JobAuth, NetError};
 
 /// Whether this process may write back.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,8 +44,8 @@ pub enum WriteRole {
 /// Settings of a [`TqClient`].
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
-    /// Job token (epoch-stamped).
-    pub token: String,
+    /// The job epoch's token and key, proven on every connection.
+    pub auth: JobAuth,
     /// This process's name (e.g. `gen-3`), for the peers' logs and errors.
     pub name: String,
     /// Controller address.
@@ -66,8 +66,8 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    /// The settings of process `process` of the plan.
-    pub fn from_plan(plan: &WorkerPlan, process: u32) -> Result<ClientConfig, TqError> {
+    /// The settings of process `process` of the plan, authenticating with `auth`.
+    pub fn from_plan(plan: &WorkerPlan, process: u32, auth: &JobAuth) -> Result<ClientConfig, TqError> {
         let me = plan.processes.get(process as usize).ok_or_else(|| {
             TqError::input(
                 format!("process {process} is not in the plan ({} processes)", plan.processes.len()),
@@ -89,7 +89,7 @@ impl ClientConfig {
             TqPlacement::Dedicated => None,
         };
         Ok(ClientConfig {
-            token: plan.job.token.clone(),
+            auth: auth.clone(),
             name: me.name.clone(),
             controller: plan.tq_controller_address(),
             units: plan.storage_units.iter().filter_map(|u| Some((u.id, plan.storage_address(u.id)?))).collect(),
@@ -192,7 +192,7 @@ impl TqClient {
         Header {
             version: WIRE_VERSION,
             request_id: self.next_request.fetch_add(1, Ordering::Relaxed),
-            token: self.config.token.clone(),
+            token: self.config.auth.token().to_string(),
         }
     }
 
@@ -230,14 +230,9 @@ impl TqClient {
         if slot.is_none() {
             let deadline = Instant::now() + self.config.connect_timeout;
             let mut s = net::connect_retry(&addr, deadline, "the transfer-queue controller").await?;
-            let hello = Hello {
-                magic: CONTROLLER_MAGIC,
-                version: WIRE_VERSION,
-                token: self.config.token.clone(),
-                peer: self.config.name.clone(),
-                extra: vec![],
-            };
-            net::send_hello(&mut s, &hello, deadline, &addr).await?;
+            let hello =
+                Hello { magic: CONTROLLER_MAGIC, version: WIRE_VERSION, peer: self.config.name.clone(), extra: vec![] };
+            net::send_hello(&mut s, &self.config.auth, &hello, deadline, &addr).await?;
             *slot = Some(s);
         }
         let s = slot.as_mut().expect("connected above");
@@ -386,7 +381,7 @@ impl TqClient {
         let mut slot = slot.lock().await;
         if slot.is_none() {
             let deadline = Instant::now() + self.config.connect_timeout;
-            match connect_unit(&addr, &self.config.token, &self.config.name, deadline).await {
+            match connect_unit(&addr, &self.config.auth, &self.config.name, deadline).await {
                 Ok(s) => *slot = Some(s),
                 Err(e @ NetError::Refused { .. }) => return Err(e.into()),
                 Err(e) => return Err(self.lost(unit, &addr, partition, e.to_string()).await),

@@ -18,7 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::codec::{self, Body, CONTROLLER_MAGIC, ErrorCode, Header, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use super::column::{ABSENT, BatchMeta, FieldRows, FieldSpec, SampleKey, SampleMeta, SampleTags};
-use crate::net::{self, Hello, NetError};
+use crate::net::{self, Hello, JobAuth, NetError};
 
 /// Most fields a partition may have (ready checks are one 64-bit mask test per sample).
 pub const MAX_FIELDS: usize = 64;
@@ -488,8 +488,8 @@ impl Controller {
 /// Settings of a [`TqController`].
 #[derive(Clone, Debug)]
 pub struct ControllerConfig {
-    /// Job token every peer must present.
-    pub token: String,
+    /// The job epoch's token and key, which every peer must prove it holds.
+    pub auth: JobAuth,
     /// Claim lease.
     pub lease: Duration,
     /// Storage units: id → address.
@@ -497,10 +497,10 @@ pub struct ControllerConfig {
 }
 
 impl ControllerConfig {
-    /// From the job's plan.
-    pub fn from_plan(plan: &rlplane_api::WorkerPlan) -> ControllerConfig {
+    /// From the job's plan, authenticating with `auth`.
+    pub fn from_plan(plan: &rlplane_api::WorkerPlan, auth: &JobAuth) -> ControllerConfig {
         ControllerConfig {
-            token: plan.job.token.clone(),
+            auth: auth.clone(),
             lease: Duration::from_secs(plan.transfer_queue.lease_seconds as u64),
             units: plan.storage_units.iter().filter_map(|u| Some((u.id, plan.storage_address(u.id)?))).collect(),
         }
@@ -599,8 +599,8 @@ impl TqController {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let lost = lock(&self.core).lost_units().clone();
         let jobs = self.config.units.iter().filter(|(u, _)| !lost.contains_key(u)).map(|(&unit, addr)| {
-            let token = self.config.token.clone();
-            async move { (unit, clear_unit(addr, &token, partition, deadline).await) }
+            let auth = self.config.auth.clone();
+            async move { (unit, clear_unit(addr, &auth, partition, deadline).await) }
         });
         let mut report = ClearReport { freed: 0, units: 0, unreachable: Vec::new() };
         for (unit, r) in futures::future::join_all(jobs).await {
@@ -632,7 +632,7 @@ impl TqController {
     async fn serve_connection(&self, mut stream: TcpStream) -> Result<(), NetError> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         let hello =
-            net::accept_hello(&mut stream, CONTROLLER_MAGIC, WIRE_VERSION, &self.config.token, deadline, |_| Ok(()))
+            net::accept_hello(&mut stream, &self.config.auth, CONTROLLER_MAGIC, WIRE_VERSION, deadline, |_| Ok(()))
                 .await?;
         let peer = hello.peer;
         let mut buf = Vec::new();
@@ -647,12 +647,13 @@ impl TqController {
                     return Err(NetError::Refused { peer, reason: e.to_string() });
                 }
             };
-            let reply = if header.token != self.config.token {
+            let reply = if header.token != self.config.auth.token() {
                 Body::Error {
                     code: ErrorCode::Token,
                     message: format!(
                         "job token `{}` does not match `{}`: the client belongs to another job or epoch",
-                        header.token, self.config.token
+                        header.token,
+                        self.config.auth.token()
                     ),
                 }
             } else {
@@ -665,7 +666,7 @@ impl TqController {
     }
 
     fn reply_header(&self, request_id: u32) -> Header {
-        Header { version: WIRE_VERSION, request_id, token: self.config.token.clone() }
+        Header { version: WIRE_VERSION, request_id, token: self.config.auth.token().to_string() }
     }
 
     async fn handle(&self, body: Body) -> Body {
@@ -725,11 +726,11 @@ impl TqController {
         for (&unit, addr) in &self.config.units {
             let weak: Weak<Mutex<Controller>> = Arc::downgrade(&self.core);
             let addr = addr.clone();
-            let token = self.config.token.clone();
+            let auth = self.config.auth.clone();
             let watched = self.watched.clone();
             tokio::spawn(async move {
                 let connected = || watched.lock().unwrap_or_else(|e| e.into_inner()).insert(unit);
-                let reason = watch_unit(&addr, &token, ping_every, || weak.strong_count() > 0, connected).await;
+                let reason = watch_unit(&addr, &auth, ping_every, || weak.strong_count() > 0, connected).await;
                 watched.lock().unwrap_or_else(|e| e.into_inner()).remove(&unit);
                 if let (Some(core), Some(reason)) = (weak.upgrade(), reason) {
                     let lost = lock(&core).mark_unit_lost(unit, &reason);
@@ -743,26 +744,25 @@ impl TqController {
 /// Connects to a storage unit as the controller, with the handshake.
 pub(crate) async fn connect_unit(
     addr: &str,
-    token: &str,
+    auth: &JobAuth,
     peer_name: &str,
     deadline: tokio::time::Instant,
 ) -> Result<TcpStream, NetError> {
     let mut s = net::connect_retry(addr, deadline, "transfer-queue storage").await?;
-    let hello = Hello {
-        magic: STORAGE_MAGIC,
-        version: WIRE_VERSION,
-        token: token.into(),
-        peer: peer_name.into(),
-        extra: vec![],
-    };
-    net::send_hello(&mut s, &hello, deadline, addr).await?;
+    let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: peer_name.into(), extra: vec![] };
+    net::send_hello(&mut s, auth, &hello, deadline, addr).await?;
     Ok(s)
 }
 
-async fn clear_unit(addr: &str, token: &str, partition: &str, deadline: tokio::time::Instant) -> Result<u64, String> {
+async fn clear_unit(
+    addr: &str,
+    auth: &JobAuth,
+    partition: &str,
+    deadline: tokio::time::Instant,
+) -> Result<u64, String> {
     let work = async {
-        let mut s = connect_unit(addr, token, "tq-controller", deadline).await.map_err(|e| e.to_string())?;
-        let h = Header { version: WIRE_VERSION, request_id: 1, token: token.into() };
+        let mut s = connect_unit(addr, auth, "tq-controller", deadline).await.map_err(|e| e.to_string())?;
+        let h = Header { version: WIRE_VERSION, request_id: 1, token: auth.token().into() };
         codec::write_message(&mut s, &h, &Body::ClearUnit { partition: partition.into() })
             .await
             .map_err(|e| e.to_string())?;
@@ -782,7 +782,7 @@ async fn clear_unit(addr: &str, token: &str, partition: &str, deadline: tokio::t
 /// Returns why the unit is considered dead, or None if the watch ended because `alive` said so.
 async fn watch_unit(
     addr: &str,
-    token: &str,
+    auth: &JobAuth,
     ping_every: Duration,
     alive: impl Fn() -> bool,
     connected: impl FnOnce() -> bool,
@@ -793,7 +793,7 @@ async fn watch_unit(
             return None;
         }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        match connect_unit(addr, token, "tq-controller-watch", deadline).await {
+        match connect_unit(addr, auth, "tq-controller-watch", deadline).await {
             Ok(s) => {
                 connected();
                 break s;
@@ -803,7 +803,7 @@ async fn watch_unit(
         }
     };
     let mut buf = Vec::new();
-    let h = Header { version: WIRE_VERSION, request_id: 0, token: token.into() };
+    let h = Header { version: WIRE_VERSION, request_id: 0, token: auth.token().into() };
     let answer_within = ping_every.max(Duration::from_millis(100)) * 10;
     loop {
         if !alive() {

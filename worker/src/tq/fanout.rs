@@ -20,7 +20,7 @@ use super::TqError;
 use super::client::TqClient;
 use super::codec::{self, Block, Body, FANOUT_MAGIC, Header, Outgoing, ReadError, WIRE_VERSION};
 use super::column::{Batch, BatchMeta, Column};
-use crate::net::{self, Hello, NetError};
+use crate::net::{self, Hello, JobAuth, NetError};
 
 /// Sends a batch to every follower of a fan-out group.
 pub trait FanoutSender {
@@ -46,10 +46,10 @@ pub struct TcpFanoutLeader {
 
 impl TcpFanoutLeader {
     /// Accepts every follower named in `followers` on `listener` (in any order), refusing peers
-    /// of another job or epoch and peers that are not members.
+    /// without the job epoch's key (of another job or epoch) and peers that are not members.
     pub async fn accept(
         listener: &TcpListener,
-        token: &str,
+        auth: &JobAuth,
         followers: &[String],
         deadline: Instant,
     ) -> Result<TcpFanoutLeader, TqError> {
@@ -74,7 +74,7 @@ impl TcpFanoutLeader {
                 }
                 Ok(())
             };
-            match net::accept_hello(&mut s, FANOUT_MAGIC, WIRE_VERSION, token, deadline, check).await {
+            match net::accept_hello(&mut s, auth, FANOUT_MAGIC, WIRE_VERSION, deadline, check).await {
                 Ok(h) => joined.push((h.peer, s)),
                 // A stranger is refused (and told why), a peer that fails its handshake is
                 // dropped; keep waiting for the members until the deadline.
@@ -83,11 +83,16 @@ impl TcpFanoutLeader {
             }
         }
         joined.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(TcpFanoutLeader { token: token.into(), followers: joined })
+        Ok(TcpFanoutLeader { token: auth.token().into(), followers: joined })
     }
 
     /// Binds the leader's fan-out port from the plan and accepts the group's followers.
-    pub async fn from_plan(plan: &WorkerPlan, process: u32, deadline: Instant) -> Result<TcpFanoutLeader, TqError> {
+    pub async fn from_plan(
+        plan: &WorkerPlan,
+        process: u32,
+        auth: &JobAuth,
+        deadline: Instant,
+    ) -> Result<TcpFanoutLeader, TqError> {
         let group = plan.fanout_group_of(process).filter(|g| g.leader == process).ok_or_else(|| {
             TqError::input(
                 format!("process {process} leads no fan-out group"),
@@ -100,7 +105,7 @@ impl TcpFanoutLeader {
         let listener = net::bind(&plan.bind_address(process, port), "the fan-out group").await?;
         let followers: Vec<String> =
             group.members.iter().filter(|&&m| m != process).map(|&m| plan.process(m).name.clone()).collect();
-        Self::accept(&listener, &plan.job.token, &followers, deadline).await
+        Self::accept(&listener, auth, &followers, deadline).await
     }
 
     /// Names of the followers.
@@ -160,16 +165,25 @@ impl TcpFanoutFollower {
     pub const DEFAULT_MAX_BYTES: u64 = 64 << 30;
 
     /// Connects to the leader at `addr` as `name`.
-    pub async fn connect(addr: &str, token: &str, name: &str, deadline: Instant) -> Result<TcpFanoutFollower, TqError> {
+    pub async fn connect(
+        addr: &str,
+        auth: &JobAuth,
+        name: &str,
+        deadline: Instant,
+    ) -> Result<TcpFanoutFollower, TqError> {
         let mut stream = net::connect_retry(addr, deadline, "the fan-out leader").await?;
-        let hello =
-            Hello { magic: FANOUT_MAGIC, version: WIRE_VERSION, token: token.into(), peer: name.into(), extra: vec![] };
-        net::send_hello(&mut stream, &hello, deadline, addr).await?;
+        let hello = Hello { magic: FANOUT_MAGIC, version: WIRE_VERSION, peer: name.into(), extra: vec![] };
+        net::send_hello(&mut stream, auth, &hello, deadline, addr).await?;
         Ok(TcpFanoutFollower { leader: addr.into(), stream, max_bytes: Self::DEFAULT_MAX_BYTES })
     }
 
     /// Connects to this follower's leader from the plan.
-    pub async fn from_plan(plan: &WorkerPlan, process: u32, deadline: Instant) -> Result<TcpFanoutFollower, TqError> {
+    pub async fn from_plan(
+        plan: &WorkerPlan,
+        process: u32,
+        auth: &JobAuth,
+        deadline: Instant,
+    ) -> Result<TcpFanoutFollower, TqError> {
         let group = plan.fanout_group_of(process).filter(|g| g.leader != process).ok_or_else(|| {
             TqError::input(
                 format!("process {process} follows no fan-out group"),
@@ -183,7 +197,7 @@ impl TcpFanoutFollower {
             )
         })?;
         let addr = plan.address(group.leader, port);
-        Self::connect(&addr, &plan.job.token, &plan.process(process).name, deadline).await
+        Self::connect(&addr, auth, &plan.process(process).name, deadline).await
     }
 
     /// Sets the largest batch accepted.

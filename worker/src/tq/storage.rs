@@ -22,7 +22,7 @@ use tokio::time::Instant;
 
 use super::codec::{self, Block, Body, ErrorCode, Header, Outgoing, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use super::column::{Column, FieldSpec};
-use crate::net::{self, NetError};
+use crate::net::{self, JobAuth, NetError};
 
 /// Errors of a storage unit. Each names the unit and what to change.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -361,15 +361,15 @@ impl StorageUnit {
 #[derive(Clone, Debug)]
 pub struct StorageServer {
     unit: Arc<StorageUnit>,
-    token: Arc<str>,
+    auth: JobAuth,
     put_timeout: Duration,
 }
 
 impl StorageServer {
-    /// A server for `unit`, refusing peers without `token`, failing puts that wait longer than
+    /// A server for `unit`, refusing peers without the job epoch's key (`auth`), failing puts that wait longer than
     /// `put_timeout` for room.
-    pub fn new(unit: Arc<StorageUnit>, token: &str, put_timeout: Duration) -> StorageServer {
-        StorageServer { unit, token: token.into(), put_timeout }
+    pub fn new(unit: Arc<StorageUnit>, auth: &JobAuth, put_timeout: Duration) -> StorageServer {
+        StorageServer { unit, auth: auth.clone(), put_timeout }
     }
 
     /// The unit.
@@ -394,7 +394,7 @@ impl StorageServer {
     async fn serve_connection(&self, mut stream: TcpStream) -> Result<(), NetError> {
         let deadline = Instant::now() + Duration::from_secs(30);
         let hello =
-            net::accept_hello(&mut stream, STORAGE_MAGIC, WIRE_VERSION, &self.token, deadline, |_| Ok(())).await?;
+            net::accept_hello(&mut stream, &self.auth, STORAGE_MAGIC, WIRE_VERSION, deadline, |_| Ok(())).await?;
         let peer = hello.peer;
         self.serve_stream(&mut stream, &peer).await
     }
@@ -416,13 +416,14 @@ impl StorageServer {
                 }
             };
             let rid = header.request_id;
-            if header.token != *self.token {
+            if header.token != self.auth.token() {
                 if let Some(block) = body.block() {
                     codec::skip_buffers(stream, block).await.map_err(|e| read_err(peer, e))?;
                 }
                 let msg = format!(
                     "job token `{}` does not match `{}`: the client belongs to another job or epoch",
-                    header.token, self.token
+                    header.token,
+                    self.auth.token()
                 );
                 self.reply_error(stream, rid, ErrorCode::Token, msg)
                     .await
@@ -465,7 +466,7 @@ impl StorageServer {
     }
 
     fn header(&self, request_id: u32) -> Header {
-        Header { version: WIRE_VERSION, request_id, token: self.token.to_string() }
+        Header { version: WIRE_VERSION, request_id, token: self.auth.token().to_string() }
     }
 
     async fn reply_error<S: AsyncWrite + Unpin>(

@@ -5,7 +5,9 @@
 //!
 //! Control goes over ZMQ: the sender binds a ROUTER on an `ipc://` socket in the pod's shared
 //! emptyDir; each receiver connects a DEALER. Messages (first byte is the kind):
-//! `H` hello (token, name, plan identity) → `W` welcome / `R` refused; `B` begin (version);
+//! `H` hello (the [`crate::net`] hello: token, name, plan identity, nonce) → `C` challenge (the
+//! sender's nonce and proof of the epoch's key) → `P` proof (the receiver's) → `W` welcome /
+//! `R` refused (either side may refuse, with the reason); `B` begin (version);
 //! `N` new handle (key, 64-byte CUDA IPC handle of an allocation, exported once, opened once and
 //! cached by the receiver); `K` bucket (its pieces as (handle key, offset, length)); `A` bucket
 //! copied (the sender may reuse what it lent); `D` done (version).
@@ -31,6 +33,7 @@ use zeromq::{DealerSocket, RouterSocket, Socket, SocketEvent, SocketRecv, Socket
 use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async};
+use crate::net::{self, JobAuth};
 use crate::refit::memory::{Copy2d, MemorySpace};
 use crate::refit::plan::{PlanIdentity, RefitPlan};
 
@@ -58,7 +61,11 @@ pub enum IpcTicket {
 
 enum Inbound {
     Message(Vec<Bytes>),
+    /// The socket failed.
     Lost(String),
+    /// A peer disconnected: fatal once the group is joined, not while strangers come and go
+    /// during the handshake.
+    Disconnected(String),
 }
 
 /// The ZMQ socket lives in its own task; the transport talks to it through channels, so that
@@ -89,7 +96,7 @@ where
                 },
                 Some(ev) = monitor.next() => {
                     if let SocketEvent::Disconnected(peer) = ev {
-                        let _ = in_tx.send(Inbound::Lost(format!("peer {:?} disconnected", String::from_utf8_lossy(&Bytes::from(peer)))));
+                        let _ = in_tx.send(Inbound::Disconnected(format!("peer {:?} disconnected", String::from_utf8_lossy(&Bytes::from(peer)))));
                     }
                 }
             }
@@ -175,7 +182,7 @@ impl IpcTransport {
         receivers: &[String],
         plan: Arc<RefitPlan>,
         mode: IpcMode,
-        token: &str,
+        auth: &JobAuth,
         deadline: Instant,
     ) -> Result<IpcTransport, TransportError> {
         if let Some(path) = endpoint.strip_prefix("ipc://") {
@@ -185,50 +192,8 @@ impl IpcTransport {
         let mut socket = RouterSocket::new();
         socket.bind(endpoint).await.map_err(|e| TransportError::Config(format!("binding {endpoint}: {e}")))?;
         let mut channel = spawn_socket(socket);
-        let identity = plan.identity();
-        let mut joined: Vec<(Bytes, String)> = Vec::new();
-        while joined.len() < receivers.len() {
-            let m = recv(&mut channel, deadline, name, "waiting for IPC receivers").await?;
-            let (id, body) = split_identity(m, name)?;
-            let refuse = |reason: String| msg(vec![id.clone(), Bytes::from_static(b"R"), Bytes::from(reason)]);
-            if body.len() < 4 || body[0].as_ref() != b"H" {
-                let _ = channel.out.send(refuse("expected a hello".into()));
-                continue;
-            }
-            let (their_token, peer) =
-                (String::from_utf8_lossy(&body[1]).into_owned(), String::from_utf8_lossy(&body[2]).into_owned());
-            let verdict = if their_token != token {
-                Err(format!(
-                    "job token `{their_token}` does not match `{token}`: the peer belongs to another job or epoch"
-                ))
-            } else if !receivers.contains(&peer) {
-                Err(format!("`{peer}` is not a receiver of this sender"))
-            } else {
-                match PlanIdentity::decode(&body[3]) {
-                    Some(theirs) if theirs == identity => Ok(()),
-                    Some(theirs) => Err(identity.mismatch("the sender", &theirs, &peer)),
-                    None => Err("malformed plan identity".into()),
-                }
-            };
-            match verdict {
-                Ok(()) => {
-                    // The welcome names this GPU, so a receiver on another GPU can push from it.
-                    let ordinal = (gpu.ordinal() as u32).to_le_bytes();
-                    let _ = channel.out.send(msg(vec![
-                        id.clone(),
-                        Bytes::from_static(b"W"),
-                        Bytes::copy_from_slice(&ordinal),
-                    ]));
-                    if !joined.iter().any(|(_, p)| p == &peer) {
-                        joined.push((id, peer));
-                    }
-                }
-                Err(reason) => {
-                    tracing::warn!(%reason, "refused an IPC receiver");
-                    let _ = channel.out.send(refuse(reason));
-                }
-            }
-        }
+        let ordinal = gpu.ordinal() as u32;
+        let joined = accept_receivers(name, &mut channel, receivers, &plan.identity(), auth, ordinal, deadline).await?;
         Self::new(
             name,
             gpu,
@@ -248,7 +213,7 @@ impl IpcTransport {
         gpu: &Gpu,
         endpoint: &str,
         plan: Arc<RefitPlan>,
-        token: &str,
+        auth: &JobAuth,
         deadline: Instant,
     ) -> Result<IpcTransport, TransportError> {
         let mut socket = DealerSocket::new();
@@ -267,32 +232,7 @@ impl IpcTransport {
             }
         }
         let mut channel = spawn_socket(socket);
-        let hello = msg(vec![
-            Bytes::from_static(b"H"),
-            Bytes::from(token.to_string()),
-            Bytes::from(me.to_string()),
-            Bytes::copy_from_slice(&plan.identity().encode()),
-        ]);
-        channel
-            .out
-            .send(hello)
-            .map_err(|_| TransportError::Closed { peer: endpoint.into(), what: "saying hello".into() })?;
-        let answer = recv(&mut channel, deadline, endpoint, "waiting for the sender's welcome").await?;
-        let sender_gpu = match answer.first().map(|b| b.as_ref()) {
-            Some(b"W") => answer.get(1).filter(|b| b.len() == 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            Some(b"R") => {
-                return Err(TransportError::Refused {
-                    peer: endpoint.into(),
-                    reason: answer.get(1).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default(),
-                });
-            }
-            _ => {
-                return Err(TransportError::Protocol {
-                    peer: endpoint.into(),
-                    detail: "an unexpected answer to hello".into(),
-                });
-            }
-        };
+        let sender_gpu = say_hello(&mut channel, me, endpoint, &plan.identity(), auth, deadline).await?;
         let copier = copier_for(gpu, sender_gpu);
         let state = ReceiverState {
             mapped: HashMap::new(),
@@ -363,7 +303,7 @@ impl IpcTransport {
         loop {
             let m = match self.channel.inbound.try_recv() {
                 Ok(Inbound::Message(m)) => m,
-                Ok(Inbound::Lost(why)) => {
+                Ok(Inbound::Lost(why) | Inbound::Disconnected(why)) => {
                     return Err(TransportError::Closed { peer: self.name.clone(), what: format!("refitting ({why})") });
                 }
                 Err(mpsc::error::TryRecvError::Empty) => break,
@@ -517,6 +457,161 @@ fn st_mapped(st: &ReceiverState, key: u32) -> Option<CUdeviceptr> {
     st.mapped.get(&key).map(|m| m.ptr())
 }
 
+/// Handshake magic of the CUDA IPC control channel (the [`crate::net`] handshake, over ZMQ).
+pub const IPC_MAGIC: [u8; 4] = *b"RIPC";
+const IPC_VERSION: u16 = 1;
+
+/// The sender's side of the handshake: until every one of `receivers` has joined, answers each
+/// `H` hello (token checked) with a `C` challenge, and each `P` proof that checks out — from an
+/// expected receiver with the same plan — with a `W` welcome naming GPU `ordinal`; anything else
+/// gets `R` and the reason, is counted in `auth`'s refusals and changes nothing. Returns the
+/// receivers' ZMQ identities and names.
+async fn accept_receivers(
+    name: &str,
+    channel: &mut Channel,
+    receivers: &[String],
+    identity: &PlanIdentity,
+    auth: &JobAuth,
+    ordinal: u32,
+    deadline: Instant,
+) -> Result<Vec<(Bytes, String)>, TransportError> {
+    let start = Instant::now();
+    let mut joined: Vec<(Bytes, String)> = Vec::new();
+    let mut pending: HashMap<Bytes, (net::Hello, net::ServerChallenge)> = HashMap::new();
+    while joined.len() < receivers.len() {
+        let m = loop {
+            match tokio::time::timeout_at(deadline, channel.inbound.recv()).await {
+                Ok(Some(Inbound::Message(m))) => break m,
+                // A peer that leaves before it joined (refused, or never speaking) is no
+                // receiver of ours: keep waiting for those.
+                Ok(Some(Inbound::Disconnected(why))) => tracing::debug!(%why, "a peer left the IPC handshake"),
+                Ok(Some(Inbound::Lost(why))) => {
+                    return Err(TransportError::Closed {
+                        peer: name.into(),
+                        what: format!("waiting for IPC receivers ({why})"),
+                    });
+                }
+                Ok(None) => {
+                    return Err(TransportError::Closed { peer: name.into(), what: "waiting for IPC receivers".into() });
+                }
+                Err(_) => {
+                    return Err(TransportError::Timeout {
+                        peer: name.into(),
+                        what: format!("waiting for IPC receivers ({} of {} joined)", joined.len(), receivers.len()),
+                        secs: start.elapsed().as_secs_f64(),
+                    });
+                }
+            }
+        };
+        let (id, body) = split_identity(m, name)?;
+        let verdict = match (body.first().map(|b| b.as_ref()), body.get(1)) {
+            (Some(b"H"), Some(hello)) if body.len() == 2 => match auth.open_hello(hello, IPC_MAGIC, IPC_VERSION) {
+                Ok((hello, challenge)) => {
+                    let c = msg(vec![id.clone(), Bytes::from_static(b"C"), Bytes::copy_from_slice(challenge.bytes())]);
+                    let _ = channel.out.send(c);
+                    pending.insert(id, (hello, challenge));
+                    continue;
+                }
+                Err(reason) => Err(reason),
+            },
+            (Some(b"P"), Some(proof)) => match pending.remove(&id) {
+                None => Err("a proof without a hello".to_string()),
+                Some((hello, challenge)) => challenge.verify(auth, proof).and_then(|()| {
+                    let peer = hello.peer;
+                    let checked = if !receivers.contains(&peer) {
+                        Err(format!("`{peer}` is not a receiver of this sender"))
+                    } else {
+                        match PlanIdentity::decode(&hello.extra) {
+                            Some(theirs) if &theirs == identity => Ok(peer.clone()),
+                            Some(theirs) => Err(identity.mismatch("the sender", &theirs, &peer)),
+                            None => Err("malformed plan identity".into()),
+                        }
+                    };
+                    checked.inspect_err(|_| auth.refusals().count(IPC_MAGIC))
+                }),
+            },
+            (Some(b"R"), reason) => {
+                // The receiver refused this sender (it counted that); forget its hello.
+                pending.remove(&id);
+                let reason = reason.map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default();
+                tracing::warn!(%reason, "an IPC receiver refused this sender");
+                continue;
+            }
+            _ => {
+                auth.refusals().count(IPC_MAGIC);
+                Err("expected a hello".to_string())
+            }
+        };
+        match verdict {
+            Ok(peer) => {
+                // The welcome names this GPU, so a receiver on another GPU can push from it.
+                let welcome =
+                    msg(vec![id.clone(), Bytes::from_static(b"W"), Bytes::copy_from_slice(&ordinal.to_le_bytes())]);
+                let _ = channel.out.send(welcome);
+                if !joined.iter().any(|(_, p)| p == &peer) {
+                    joined.push((id, peer));
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(%reason, "refused an IPC receiver");
+                let _ = channel.out.send(msg(vec![id, Bytes::from_static(b"R"), Bytes::from(reason)]));
+            }
+        }
+    }
+    Ok(joined)
+}
+
+/// A receiver's side of the handshake: `H` hello, then — once the sender's `C` challenge proves
+/// it holds the key — `P` proof; returns the sender's GPU from its `W` welcome. A sender without
+/// the key gets `R` and the reason.
+async fn say_hello(
+    channel: &mut Channel,
+    me: &str,
+    endpoint: &str,
+    identity: &PlanIdentity,
+    auth: &JobAuth,
+    deadline: Instant,
+) -> Result<Option<u32>, TransportError> {
+    let hello =
+        net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: me.into(), extra: identity.encode().to_vec() };
+    let ours = auth
+        .client_hello(&hello)
+        .map_err(|e| TransportError::Refused { peer: endpoint.into(), reason: e.to_string() })?;
+    let send = |channel: &mut Channel, frames: Vec<Bytes>| {
+        channel
+            .out
+            .send(msg(frames))
+            .map_err(|_| TransportError::Closed { peer: endpoint.into(), what: "saying hello".into() })
+    };
+    let refused = |answer: &[Bytes]| TransportError::Refused {
+        peer: endpoint.into(),
+        reason: answer.get(1).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default(),
+    };
+    let unexpected =
+        || TransportError::Protocol { peer: endpoint.into(), detail: "an unexpected answer to hello".into() };
+    send(channel, vec![Bytes::from_static(b"H"), Bytes::copy_from_slice(ours.bytes())])?;
+    let answer = recv(channel, deadline, endpoint, "waiting for the sender's challenge").await?;
+    match answer.first().map(|b| b.as_ref()) {
+        Some(b"C") => {}
+        Some(b"R") => return Err(refused(&answer)),
+        _ => return Err(unexpected()),
+    }
+    let proof = match ours.answer(auth, answer.get(1).map(|b| b.as_ref()).unwrap_or_default()) {
+        Ok(p) => p,
+        Err(reason) => {
+            let _ = send(channel, vec![Bytes::from_static(b"R"), Bytes::from(reason.clone())]);
+            return Err(TransportError::Refused { peer: endpoint.into(), reason });
+        }
+    };
+    send(channel, vec![Bytes::from_static(b"P"), Bytes::copy_from_slice(&proof)])?;
+    let answer = recv(channel, deadline, endpoint, "waiting for the sender's welcome").await?;
+    match answer.first().map(|b| b.as_ref()) {
+        Some(b"W") => Ok(answer.get(1).filter(|b| b.len() == 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        Some(b"R") => Err(refused(&answer)),
+        _ => Err(unexpected()),
+    }
+}
+
 fn split_identity(mut m: Vec<Bytes>, name: &str) -> Result<(Bytes, Vec<Bytes>), TransportError> {
     if m.is_empty() {
         return Err(TransportError::Protocol { peer: name.into(), detail: "an empty message".into() });
@@ -529,7 +624,7 @@ async fn recv(channel: &mut Channel, deadline: Instant, peer: &str, what: &str) 
     let start = Instant::now();
     match tokio::time::timeout_at(deadline, channel.inbound.recv()).await {
         Ok(Some(Inbound::Message(m))) => Ok(m),
-        Ok(Some(Inbound::Lost(why))) => {
+        Ok(Some(Inbound::Lost(why) | Inbound::Disconnected(why))) => {
             Err(TransportError::Closed { peer: peer.into(), what: format!("{what} ({why})") })
         }
         Ok(None) => Err(TransportError::Closed { peer: peer.into(), what: what.into() }),
@@ -592,7 +687,7 @@ impl Transport for IpcTransport {
                     }
                     match tokio::time::timeout_at(deadline, self.channel.inbound.recv()).await {
                         Ok(Some(Inbound::Message(m))) => self.on_receiver_message(m)?,
-                        Ok(Some(Inbound::Lost(why))) => {
+                        Ok(Some(Inbound::Lost(why) | Inbound::Disconnected(why))) => {
                             return Err(TransportError::Closed {
                                 peer: self.name.clone(),
                                 what: format!("waiting for the refit to start ({why})"),
@@ -787,4 +882,139 @@ fn export(gpu: &Gpu, base: CUdeviceptr) -> Result<IpcHandle, GpuError> {
     }
     // SAFETY: initialized by the successful call.
     Ok(IpcHandle(unsafe { h.assume_init() }.reserved.map(|c| c as u8)))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The control channel's handshake over real ZMQ `ipc://` sockets, without a GPU: the same
+    //! attackers as `tests/auth.rs` on the TCP ports, each refused, counted and left out.
+    use super::*;
+    use crate::refit::plan::RefitPlan;
+    use rlplane_api::model::{DType, TensorSpec, TpSplit};
+
+    const CLIENT_LABEL: &[u8] = b"rlplane handshake v1: connecting side\0";
+
+    fn identity() -> PlanIdentity {
+        let m = vec![TensorSpec::with_split("w", DType::Bf16, vec![64, 64], TpSplit::Rows)];
+        RefitPlan::new(&m, 4096, 256).unwrap().identity()
+    }
+
+    fn proof_under(key: &[u8; 32], hello: &[u8], server_nonce: &[u8]) -> Bytes {
+        let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+        let mut ctx = ring::hmac::Context::with_key(&k);
+        for part in [CLIENT_LABEL, &(hello.len() as u32).to_le_bytes(), hello, server_nonce] {
+            ctx.update(part);
+        }
+        Bytes::copy_from_slice(ctx.sign().as_ref())
+    }
+
+    fn deadline() -> Instant {
+        Instant::now() + Duration::from_secs(20)
+    }
+
+    async fn dealer(endpoint: &str) -> Channel {
+        let mut socket = DealerSocket::new();
+        socket.connect(endpoint).await.unwrap();
+        spawn_socket(socket)
+    }
+
+    fn send(channel: &Channel, frames: Vec<Bytes>) {
+        channel.out.send(msg(frames)).unwrap();
+    }
+
+    /// Says `hello` (bytes), answers a challenge with `proof(server_nonce)`; returns the
+    /// sender's final answer.
+    async fn attempt(endpoint: &str, hello: &[u8], proof: impl FnOnce(&[u8]) -> Bytes) -> Vec<Bytes> {
+        let mut c = dealer(endpoint).await;
+        send(&c, vec![Bytes::from_static(b"H"), Bytes::copy_from_slice(hello)]);
+        let answer = recv(&mut c, deadline(), "sender", "the challenge").await.unwrap();
+        if answer[0].as_ref() != b"C" {
+            return answer;
+        }
+        send(&c, vec![Bytes::from_static(b"P"), proof(&answer[1][..net::NONCE_LEN])]);
+        recv(&mut c, deadline(), "sender", "the verdict").await.unwrap()
+    }
+
+    fn refused(answer: &[Bytes]) -> String {
+        assert_eq!(answer[0].as_ref(), b"R", "not refused: {answer:?}");
+        String::from_utf8_lossy(&answer[1]).into_owned()
+    }
+
+    #[tokio::test]
+    async fn the_ipc_sender_admits_only_the_key_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let endpoint = format!("ipc://{}/refit.sock", dir.path().display());
+        let id = identity();
+        let key = JobAuth::generate_key().unwrap();
+        let auth = JobAuth::new(&rlplane_api::job_token("uid", 1), &key);
+        let (old_token, old_key) = (rlplane_api::job_token("uid", 0), JobAuth::generate_key().unwrap());
+        let mut router = RouterSocket::new();
+        router.bind(&endpoint).await.unwrap();
+        let mut channel = spawn_socket(router);
+        let server_auth = auth.clone();
+        let sender = tokio::spawn(async move {
+            let r =
+                accept_receivers("trainer-0", &mut channel, &["gen-0".into()], &id, &server_auth, 3, deadline()).await;
+            r.map(|joined| joined.into_iter().map(|(_, name)| name).collect::<Vec<_>>())
+        });
+        let hello =
+            net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: "gen-0".into(), extra: id.encode().to_vec() };
+
+        // The epoch's token without its key; the previous epoch's token and key; the token with
+        // the previous key.
+        for (token, key) in [
+            (auth.token().to_string(), JobAuth::generate_key().unwrap()),
+            (old_token, old_key),
+            (auth.token().to_string(), old_key),
+        ] {
+            let ours = JobAuth::new(&token, &key).client_hello(&hello).unwrap();
+            let bytes = ours.bytes().to_vec();
+            let reason = refused(&attempt(&endpoint, &bytes, |nonce| proof_under(&key, &bytes, nonce)).await);
+            assert!(reason.contains("did not prove it holds") || reason.contains("another job or epoch"), "{reason}");
+        }
+        // A replay of a valid handshake recorded against another sender of this epoch.
+        let ours = auth.client_hello(&hello).unwrap();
+        let (_, challenge) = auth.open_hello(ours.bytes(), IPC_MAGIC, IPC_VERSION).unwrap();
+        let recorded = Bytes::copy_from_slice(&ours.answer(&auth, challenge.bytes()).unwrap());
+        let reason = refused(&attempt(&endpoint, ours.bytes(), |_| recorded).await);
+        assert!(reason.contains("replayed handshake"), "{reason}");
+        // Anything but a hello.
+        let mut c = dealer(&endpoint).await;
+        send(&c, vec![Bytes::from_static(b"B"), Bytes::from_static(&[0; 8])]);
+        refused(&recv(&mut c, deadline(), "sender", "a refusal").await.unwrap());
+
+        // Every one was counted: three forged proofs, the replay and the stray message.
+        assert_eq!(auth.refusals().snapshot(), vec![("RIPC".to_string(), 5)]);
+        assert!(!sender.is_finished(), "no attacker took gen-0's place");
+
+        // The key holder joins, and learns the sender's GPU.
+        let mut c = dealer(&endpoint).await;
+        let gpu = say_hello(&mut c, "gen-0", &endpoint, &id, &auth, deadline()).await.unwrap();
+        assert_eq!(gpu, Some(3));
+        assert_eq!(sender.await.unwrap().unwrap(), vec!["gen-0"]);
+    }
+
+    #[tokio::test]
+    async fn a_receiver_refuses_a_sender_without_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let endpoint = format!("ipc://{}/refit.sock", dir.path().display());
+        let id = identity();
+        let token = rlplane_api::job_token("uid", 1);
+        let (auth, impostor) = (
+            JobAuth::new(&token, &JobAuth::generate_key().unwrap()),
+            JobAuth::new(&token, &JobAuth::generate_key().unwrap()),
+        );
+        let mut router = RouterSocket::new();
+        router.bind(&endpoint).await.unwrap();
+        let mut channel = spawn_socket(router);
+        let sender = tokio::spawn(async move {
+            accept_receivers("trainer-0", &mut channel, &["gen-0".into()], &id, &impostor, 0, deadline()).await
+        });
+        let mut c = dealer(&endpoint).await;
+        let err = say_hello(&mut c, "gen-0", &endpoint, &id, &auth, deadline()).await.unwrap_err().to_string();
+        assert!(err.contains("the listener did not prove it holds this job epoch's key"), "{err}");
+        assert_eq!(auth.refusals().total(), 1);
+        assert!(!sender.is_finished(), "the impostor got no receiver");
+        sender.abort();
+    }
 }

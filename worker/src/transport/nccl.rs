@@ -11,7 +11,8 @@
 //! tickets are CUDA events. The two streams are not chained on the GPU: the engine already waits
 //! for a pack before submitting its bucket, for a bucket before unpacking it and for an unpack
 //! before reusing its buffer, and a GPU-side chain would also hold bucket k+1 behind bucket k. Rendezvous: the sender listens on its refit port, hands every receiver the unique
-//! id (after the token and plan-identity handshake) and that TCP connection then carries the
+//! id (only after the authenticated handshake of [`crate::net`] and the plan-identity check:
+//! [`publish_unique_id`], [`fetch_unique_id`]) and that TCP connection then carries the
 //! version at `begin` and the receivers' confirmations at `end`. The communicator is non-blocking:
 //! every wait polls it and the event, and a deadline or a dead peer aborts it.
 
@@ -27,13 +28,15 @@ use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::nccl::{Comm, UniqueId, group_end, group_start};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError};
-use crate::net::{self, Hello};
+use crate::net::{self, Hello, JobAuth};
 use crate::refit::memory::{Copy2d, MemorySpace};
 use crate::refit::plan::PlanIdentity;
 
 /// Handshake magic of the NCCL rendezvous.
 pub const MAGIC: [u8; 4] = *b"RNCL";
 const VERSION: u16 = 1;
+/// Bytes of an NCCL unique id.
+pub const UNIQUE_ID_LEN: usize = 128;
 const DONE: u8 = 0xD0;
 /// Pieces smaller than this travel packed: a broadcast has a fixed cost of microseconds that
 /// norm and bias tensors of a few KiB do not repay.
@@ -78,50 +81,13 @@ impl NcclTransport {
         receivers: &[String],
         rotation: usize,
         identity: &PlanIdentity,
-        token: &str,
+        auth: &JobAuth,
         timeout: Duration,
         deadline: Instant,
     ) -> Result<NcclTransport, TransportError> {
         let id = UniqueId::new().map_err(|e| gpu_err("creating the NCCL unique id", e))?;
         let world = receivers.len() + 1;
-        let mut peers: Vec<Option<(String, TcpStream)>> = (0..receivers.len()).map(|_| None).collect();
-        let mut joined = 0;
-        while joined < receivers.len() {
-            let (mut s, _) = net::until(deadline, "waiting for NCCL receivers", name, async {
-                listener.accept().await.map_err(|e| net::NetError::io("accepting an NCCL receiver", name, e))
-            })
-            .await?;
-            net::tune(&s);
-            let hello = net::accept_hello(&mut s, MAGIC, VERSION, token, deadline, |h| {
-                let theirs = PlanIdentity::decode(&h.extra).ok_or("malformed plan identity")?;
-                if &theirs != identity {
-                    return Err(identity.mismatch("the sender", &theirs, &h.peer));
-                }
-                if !receivers.contains(&h.peer) {
-                    return Err(format!("`{}` is not a receiver of this sender", h.peer));
-                }
-                Ok(())
-            })
-            .await;
-            let Ok(hello) = hello else {
-                tracing::warn!(error = %hello.unwrap_err(), "refused an NCCL rendezvous");
-                continue;
-            };
-            let at = receivers.iter().position(|r| r == &hello.peer).expect("checked");
-            let rank = (at + receivers.len() - rotation % receivers.len()) % receivers.len() + 1;
-            let mut msg = Vec::with_capacity(136);
-            msg.extend_from_slice(&id.0);
-            msg.extend_from_slice(&(rank as u32).to_le_bytes());
-            msg.extend_from_slice(&(world as u32).to_le_bytes());
-            net::write_frame(&mut s, &msg)
-                .await
-                .map_err(|e| net::NetError::io("sending the NCCL id", hello.peer.as_str(), e))?;
-            if peers[rank - 1].is_none() {
-                joined += 1;
-            }
-            peers[rank - 1] = Some((hello.peer, s));
-        }
-        let peers = peers.into_iter().map(|p| p.expect("every receiver joined")).collect();
+        let peers = publish_unique_id(name, listener, receivers, rotation, identity, auth, &id.0, deadline).await?;
         Self::join(name, true, gpu, &id, 0, world, peers, timeout, deadline).await
     }
 
@@ -134,36 +100,13 @@ impl NcclTransport {
         gpu: &Gpu,
         root_addr: &str,
         identity: &PlanIdentity,
-        token: &str,
+        auth: &JobAuth,
         timeout: Duration,
         deadline: Instant,
     ) -> Result<NcclTransport, TransportError> {
-        let mut s = net::connect_retry(root_addr, deadline, "the NCCL rendezvous").await?;
-        let hello = Hello {
-            magic: MAGIC,
-            version: VERSION,
-            token: token.into(),
-            peer: me.into(),
-            extra: identity.encode().to_vec(),
-        };
-        net::send_hello(&mut s, &hello, deadline, root_addr).await?;
-        let mut buf = Vec::new();
-        net::until(deadline, "receiving the NCCL unique id", root_addr, async {
-            net::read_frame(&mut s, &mut buf, 1024)
-                .await
-                .map_err(|e| net::NetError::io("receiving the NCCL id", root_addr, e))
-        })
-        .await?;
-        if buf.len() != 136 {
-            return Err(TransportError::Protocol {
-                peer: root_addr.into(),
-                detail: format!("an NCCL id message of {} bytes", buf.len()),
-            });
-        }
-        let id = UniqueId(buf[..128].try_into().expect("128 bytes"));
-        let rank = u32::from_le_bytes(buf[128..132].try_into().expect("4 bytes")) as usize;
-        let world = u32::from_le_bytes(buf[132..136].try_into().expect("4 bytes")) as usize;
-        Self::join(name, false, gpu, &id, rank, world, vec![(root_addr.to_string(), s)], timeout, deadline).await
+        let (id, rank, world, s) = fetch_unique_id(me, root_addr, identity, auth, deadline).await?;
+        Self::join(name, false, gpu, &UniqueId(id), rank, world, vec![(root_addr.to_string(), s)], timeout, deadline)
+            .await
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -411,4 +354,96 @@ impl Transport for NcclTransport {
     fn stage_below(&self) -> u64 {
         SMALL_PIECE
     }
+}
+
+/// The rendezvous of the sender (rank 0): accepts `receivers` (by process name) on `listener` and
+/// gives each that proves it holds the job epoch's key, and belongs to this stream, the
+/// communicator's unique id `id`, its rank and the world size. A refused peer learns nothing (the
+/// id is sent only after its proof checks out) and is counted in `auth`'s refusals. Returns the
+/// receivers' connections by rank − 1.
+#[allow(clippy::too_many_arguments)]
+pub async fn publish_unique_id(
+    name: &str,
+    listener: &TcpListener,
+    receivers: &[String],
+    rotation: usize,
+    identity: &PlanIdentity,
+    auth: &JobAuth,
+    id: &[u8; UNIQUE_ID_LEN],
+    deadline: Instant,
+) -> Result<Vec<(String, TcpStream)>, TransportError> {
+    let world = receivers.len() + 1;
+    let mut peers: Vec<Option<(String, TcpStream)>> = (0..receivers.len()).map(|_| None).collect();
+    let mut joined = 0;
+    while joined < receivers.len() {
+        let (mut s, _) = net::until(deadline, "waiting for NCCL receivers", name, async {
+            listener.accept().await.map_err(|e| net::NetError::io("accepting an NCCL receiver", name, e))
+        })
+        .await?;
+        net::tune(&s);
+        let hello = net::accept_hello(&mut s, auth, MAGIC, VERSION, deadline, |h| {
+            let theirs = PlanIdentity::decode(&h.extra).ok_or("malformed plan identity")?;
+            if &theirs != identity {
+                return Err(identity.mismatch("the sender", &theirs, &h.peer));
+            }
+            if !receivers.contains(&h.peer) {
+                return Err(format!("`{}` is not a receiver of this sender", h.peer));
+            }
+            Ok(())
+        })
+        .await;
+        let hello = match hello {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = %e, "refused an NCCL rendezvous");
+                continue;
+            }
+        };
+        let at = receivers.iter().position(|r| r == &hello.peer).expect("checked");
+        let rank = (at + receivers.len() - rotation % receivers.len()) % receivers.len() + 1;
+        let mut msg = Vec::with_capacity(UNIQUE_ID_LEN + 8);
+        msg.extend_from_slice(id);
+        msg.extend_from_slice(&(rank as u32).to_le_bytes());
+        msg.extend_from_slice(&(world as u32).to_le_bytes());
+        net::write_frame(&mut s, &msg)
+            .await
+            .map_err(|e| net::NetError::io("sending the NCCL id", hello.peer.as_str(), e))?;
+        if peers[rank - 1].is_none() {
+            joined += 1;
+        }
+        peers[rank - 1] = Some((hello.peer, s));
+    }
+    Ok(peers.into_iter().map(|p| p.expect("every receiver joined")).collect())
+}
+
+/// A receiver's side of the rendezvous: connects to the sender's `root_addr` (retrying until
+/// `deadline`), proves it holds the job epoch's key (and checks that the sender does), and
+/// returns the unique id, its rank, the world size and the connection.
+pub async fn fetch_unique_id(
+    me: &str,
+    root_addr: &str,
+    identity: &PlanIdentity,
+    auth: &JobAuth,
+    deadline: Instant,
+) -> Result<([u8; UNIQUE_ID_LEN], usize, usize, TcpStream), TransportError> {
+    let mut s = net::connect_retry(root_addr, deadline, "the NCCL rendezvous").await?;
+    let hello = Hello { magic: MAGIC, version: VERSION, peer: me.into(), extra: identity.encode().to_vec() };
+    net::send_hello(&mut s, auth, &hello, deadline, root_addr).await?;
+    let mut buf = Vec::new();
+    net::until(deadline, "receiving the NCCL unique id", root_addr, async {
+        net::read_frame(&mut s, &mut buf, 1024)
+            .await
+            .map_err(|e| net::NetError::io("receiving the NCCL id", root_addr, e))
+    })
+    .await?;
+    if buf.len() != UNIQUE_ID_LEN + 8 {
+        return Err(TransportError::Protocol {
+            peer: root_addr.into(),
+            detail: format!("an NCCL id message of {} bytes", buf.len()),
+        });
+    }
+    let id: [u8; UNIQUE_ID_LEN] = buf[..UNIQUE_ID_LEN].try_into().expect("128 bytes");
+    let rank = u32::from_le_bytes(buf[UNIQUE_ID_LEN..UNIQUE_ID_LEN + 4].try_into().expect("4 bytes")) as usize;
+    let world = u32::from_le_bytes(buf[UNIQUE_ID_LEN + 4..].try_into().expect("4 bytes")) as usize;
+    Ok((id, rank, world, s))
 }

@@ -13,9 +13,10 @@
 //! # Rendezvous
 //! The sender listens on its `ports.refit` address from the WorkerPlan; every receiver listens on
 //! its own `ports.refit` for its relay children. Each member connects to its parent with
-//! [`net::connect_retry`] until the deadline and sends a [`net::Hello`] carrying the job token
-//! and, in `extra`, the stream's sender (process index) and its [`PlanIdentity`]. The parent
-//! refuses a peer that is not its expected child for that stream, or whose plan differs; a plan
+//! [`net::connect_retry`] until the deadline and runs the authenticated handshake of
+//! [`crate::net`] (job token, proof of the epoch's key) with, in `extra`, the stream's sender
+//! (process index) and its [`PlanIdentity`]. The parent refuses a peer without the key, a peer
+//! that is not its expected child for that stream, or one whose plan differs; a plan
 //! mismatch fails both sides with both sides' manifest length, bucket size and alignment.
 //! Connections are made once and reused for every refit.
 //!
@@ -38,7 +39,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{Piece, Transport, TransportError};
-use crate::net::{self, Hello, NetError};
+use crate::net::{self, Hello, JobAuth, NetError};
 use crate::refit::memory::{AccessFence, Copy2d, HostBuffer, HostCopyStream, MemorySpace, Region};
 use crate::refit::plan::PlanIdentity;
 
@@ -211,7 +212,7 @@ struct Expected<'a> {
 async fn accept_children(
     listener: &RefitListener,
     expected: &[Expected<'_>],
-    token: &str,
+    auth: &JobAuth,
     deadline: Instant,
 ) -> Result<Vec<TcpStream>, TransportError> {
     let mut slots: Vec<Option<TcpStream>> = expected.iter().map(|_| None).collect();
@@ -231,7 +232,7 @@ async fn accept_children(
         net::tune(&stream);
         let mut matched: Option<usize> = None;
         let mut mismatch: Option<String> = None;
-        let verdict = net::accept_hello(&mut stream, HELLO_MAGIC, PROTOCOL_VERSION, token, deadline, |h| {
+        let verdict = net::accept_hello(&mut stream, auth, HELLO_MAGIC, PROTOCOL_VERSION, deadline, |h| {
             let Some((sender, theirs)) = decode_extra(&h.extra) else {
                 return Err("malformed refit handshake (no plan identity); run matching rlplane images".into());
             };
@@ -275,7 +276,7 @@ async fn connect_parent(
     route: &Route,
     node: usize,
     identity: &PlanIdentity,
-    token: &str,
+    auth: &JobAuth,
     deadline: Instant,
 ) -> Result<TcpStream, TransportError> {
     let me = route.node(node);
@@ -285,11 +286,10 @@ async fn connect_parent(
     let hello = Hello {
         magic: HELLO_MAGIC,
         version: PROTOCOL_VERSION,
-        token: token.into(),
         peer: me.name.clone(),
         extra: encode_extra(route.sender.process, identity),
     };
-    match net::send_hello(&mut stream, &hello, deadline, &parent.name).await {
+    match net::send_hello(&mut stream, auth, &hello, deadline, &parent.name).await {
         Ok(()) => Ok(stream),
         Err(NetError::Refused { peer, reason }) if reason.starts_with(PLAN_MISMATCH_PREFIX) => {
             Err(TransportError::PlanMismatch { peer, detail: reason })
@@ -303,14 +303,14 @@ pub async fn connect_root(
     listener: &RefitListener,
     route: &Route,
     identity: PlanIdentity,
-    token: &str,
+    auth: &JobAuth,
     options: &TcpOptions,
     deadline: Instant,
 ) -> Result<TcpTransport, TransportError> {
     let children = route.children(0);
     let expected: Vec<Expected<'_>> =
         children.iter().map(|c| Expected { route, identity, child: c.name.as_str() }).collect();
-    let streams = accept_children(listener, &expected, token, deadline).await?;
+    let streams = accept_children(listener, &expected, auth, deadline).await?;
     let children = streams.into_iter().zip(children).map(|(s, m)| (s, m.name.clone())).collect();
     TcpTransport::start(route, 0, None, children, identity.stream_bytes, options)
 }
@@ -322,7 +322,7 @@ pub async fn connect_receiver(
     listener: &RefitListener,
     me: u32,
     streams: &[(Route, PlanIdentity)],
-    token: &str,
+    auth: &JobAuth,
     options: &TcpOptions,
     deadline: Instant,
 ) -> Result<Vec<TcpTransport>, TransportError> {
@@ -341,12 +341,12 @@ pub async fn connect_receiver(
             owner.push(i);
         }
     }
-    let accept = accept_children(listener, &expected, token, deadline);
+    let accept = accept_children(listener, &expected, auth, deadline);
     let connect = futures::future::try_join_all(
         streams
             .iter()
             .zip(&nodes)
-            .map(|((route, identity), &node)| connect_parent(route, node, identity, token, deadline)),
+            .map(|((route, identity), &node)| connect_parent(route, node, identity, auth, deadline)),
     );
     let (children, parents) = tokio::try_join!(accept, connect)?;
     let mut per_stream: Vec<Vec<(TcpStream, String)>> = streams.iter().map(|_| Vec::new()).collect();

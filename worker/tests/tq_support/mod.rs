@@ -4,10 +4,12 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use rlplane::bench::tq::PeerProcess;
+use rlplane::net::JobAuth;
 use rlplane::tq::{ControllerConfig, TqController};
 use serde_json::Value;
 
@@ -16,6 +18,30 @@ pub const T: Duration = Duration::from_secs(20);
 
 /// The job token of the tests.
 pub const TOKEN: &str = "e0-0123456789abcdef";
+
+/// The job key of the tests.
+pub const KEY: [u8; 32] = [0x5a; 32];
+
+/// The tests' token and key.
+pub fn auth() -> JobAuth {
+    JobAuth::new(TOKEN, &KEY)
+}
+
+/// A key file holding `key`, written once per test process.
+pub fn key_file_of(key: [u8; 32]) -> String {
+    let path = std::env::temp_dir().join(format!("rlplane-test-{}-{:02x}.key", std::process::id(), key[0]));
+    if !path.exists() {
+        // Racing tests of one process may both try; the first one's file is the same key.
+        let _ = rlplane::net::write_key_file(&path, &key);
+    }
+    path.display().to_string()
+}
+
+/// The file holding [`KEY`].
+pub fn key_file() -> &'static str {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| PathBuf::from(key_file_of(KEY))).to_str().expect("a UTF-8 temp dir")
+}
 
 pub fn exe() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_rlplane"))
@@ -43,6 +69,8 @@ impl Cluster {
                     u.to_string(),
                     "--token".into(),
                     TOKEN.into(),
+                    "--key-file".into(),
+                    key_file().into(),
                     "--capacity".into(),
                     capacity.to_string(),
                     "--put-timeout-ms".into(),
@@ -56,7 +84,7 @@ impl Cluster {
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let ctl_addr = listener.local_addr().unwrap().to_string();
-        let controller = TqController::new(ControllerConfig { token: TOKEN.into(), lease, units: units.clone() });
+        let controller = TqController::new(ControllerConfig { auth: auth(), lease, units: units.clone() });
         tokio::spawn(controller.clone().serve(listener));
         Cluster { controller, ctl_addr, units, storage }
     }
@@ -67,16 +95,19 @@ impl Cluster {
 
     /// A client peer (dedicated placement) with extra arguments.
     pub fn client(&self, name: &str, extra: &[&str]) -> PeerProcess {
-        self.client_with_token(name, TOKEN, extra)
+        self.client_with(name, TOKEN, key_file(), extra)
     }
 
-    pub fn client_with_token(&self, name: &str, token: &str, extra: &[&str]) -> PeerProcess {
+    /// A client peer presenting `token` and the key in `key_file`.
+    pub fn client_with(&self, name: &str, token: &str, key_file: &str, extra: &[&str]) -> PeerProcess {
         let mut args: Vec<String> = vec![
             "client".into(),
             "--name".into(),
             name.into(),
             "--token".into(),
             token.into(),
+            "--key-file".into(),
+            key_file.into(),
             "--controller".into(),
             self.ctl_addr.clone(),
             "--units".into(),
