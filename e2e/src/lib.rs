@@ -339,8 +339,11 @@ pub fn skip_without_cluster() -> anyhow::Result<bool> {
     if std::env::var(REQUIRED_ENV).as_deref() == Ok("1") {
         bail!("{REQUIRED_ENV}=1 but {why}: start the local control plane with `export KUBECONFIG=$(e2e/cluster/up)`");
     }
-    println!(
-        "skipped: {why}; run `export KUBECONFIG=$(e2e/cluster/up)` (or point it at kind/k3d) to run the e2e tests"
+    // The stderr handle, not println!: the harness captures the macros' output of passing tests.
+    use std::io::Write as _;
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED: {why}; run `export KUBECONFIG=$(e2e/cluster/up)` (or point it at kind/k3d) to run the e2e tests"
     );
     Ok(true)
 }
@@ -423,27 +426,10 @@ pub async fn token_kubeconfig(dir: &Path, name: &str, token: &str) -> anyhow::Re
     Ok(path)
 }
 
-/// The worker binary the node agent runs for `rlplane`: `$RLPLANE_WORKER_BIN`, else built with
-/// `cargo build -p rlplane --bin rlplane` (scripts/test builds it once and sets the variable).
+/// The worker binary the node agent runs for `rlplane`: `$RLPLANE_WORKER_BIN` (scripts/test builds
+/// it once and sets the variable), else built with `cargo build -p rlplane --bin rlplane`.
 pub fn worker_binary() -> anyhow::Result<PathBuf> {
-    if let Some(p) = std::env::var_os("RLPLANE_WORKER_BIN").filter(|p| !p.is_empty()) {
-        let p = PathBuf::from(p);
-        if !p.exists() {
-            bail!("RLPLANE_WORKER_BIN names {}, which does not exist", p.display());
-        }
-        return Ok(p);
-    }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = std::process::Command::new(cargo)
-        .current_dir(workspace())
-        .args(["build", "-p", "rlplane", "--bin", "rlplane"])
-        .status()
-        .context("cannot run cargo build; set RLPLANE_WORKER_BIN to a built rlplane")?;
-    if !status.success() {
-        bail!("cargo build -p rlplane failed");
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace().join("target"));
-    Ok(target.join("debug").join("rlplane"))
+    rlplane_operator::cluster::built_binary(&workspace(), "RLPLANE_WORKER_BIN", "rlplane", "rlplane")
 }
 
 /// The API server URL and CA file of the KUBECONFIG cluster (for the node agent's pod
@@ -516,9 +502,8 @@ pub fn is_true(job: &RLJob, type_: &str) -> bool {
     job.status.as_ref().is_some_and(|s| rlplane_operator::conditions::is_true(&s.conditions, type_))
 }
 
-/// The notes of the job's GangRestart Events (the Restarting condition says why only while the
-/// restart lasts; the Event stays).
-pub async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
+/// The Events regarding the job.
+pub async fn job_events(env: &Env, job: &str) -> anyhow::Result<Vec<k8s_openapi::api::events::v1::Event>> {
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(env.client.clone(), &env.namespace);
     Ok(events
         .list(&ListParams::default())
@@ -526,6 +511,15 @@ pub async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<Str
         .items
         .into_iter()
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
+        .collect())
+}
+
+/// The notes of the job's GangRestart Events (the Restarting condition says why only while the
+/// restart lasts; the Event stays).
+pub async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
+    Ok(job_events(env, job)
+        .await?
+        .into_iter()
         .filter(|e| e.reason.as_deref() == Some("GangRestart"))
         .filter_map(|e| e.note)
         .collect())

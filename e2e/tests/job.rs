@@ -261,7 +261,8 @@ async fn prometheus_scrapes_the_job_through_the_pod_monitor_and_the_dashboard_an
         if std::env::var(rlplane_e2e::REQUIRED_ENV).as_deref() == Ok("1") {
             bail!("prometheus is not installed (apt-get install prometheus; .ci/run installs it)");
         }
-        println!("skipped: prometheus is not installed (apt-get install prometheus)");
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "SKIPPED: prometheus is not installed (apt-get install prometheus)");
         return Ok(());
     };
     let Some(c) = Cluster::start("job-metrics").await? else { return Ok(()) };

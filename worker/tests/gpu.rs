@@ -16,19 +16,18 @@ fn bin() -> PathBuf {
     std::env::var_os("RLPLANE_BIN").map(PathBuf::from).unwrap_or_else(|| env!("CARGO_BIN_EXE_rlplane").into())
 }
 
-/// GPUs present, or None after printing why the test skips.
+/// GPUs present, or None after saying why the test skips. Written to the stderr handle, not
+/// with `eprintln!`: the test harness captures the macros' output of passing tests, and a
+/// skipped GPU test must show in CI's output.
 fn gpus(needed: usize, test: &str) -> Option<usize> {
-    match rlplane::gpu::probe() {
-        Ok(info) if info.devices >= needed => Some(info.devices),
-        Ok(info) => {
-            eprintln!("skipped {test}: needs {needed} GPU(s), found {}", info.devices);
-            None
-        }
-        Err(e) => {
-            eprintln!("skipped {test}: no GPU ({e})");
-            None
-        }
-    }
+    use std::io::Write as _;
+    let why = match rlplane::gpu::probe() {
+        Ok(info) if info.devices >= needed => return Some(info.devices),
+        Ok(info) => format!("needs {needed} GPU(s), found {}", info.devices),
+        Err(e) => format!("no GPU ({e})"),
+    };
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+    None
 }
 
 /// A random manifest with odd sizes, vectors, and one tensor several buckets long.
