@@ -9,12 +9,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use rlplane_api::{GangScheduler, Phase, RLJob};
 use rlplane_e2e::{
-    Env, client_with_token, condition, coordinator, epoch_of, is_true, live_of_epoch, namespace, phase_of,
+    Env, client_with_token, condition, coordinator, epoch_of, is_true, job_events, live_of_epoch, namespace, phase_of,
     service_account_token, wait_gang_restart_naming, workspace,
 };
 use rlplane_operator::cluster::{OperatorProcess, operator_binary};
@@ -36,15 +35,7 @@ async fn serves_pod_groups(client: &Client, gang: GangScheduler) -> bool {
 
 /// Reasons of the Events on a job.
 async fn event_reasons(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
-    let events: Api<Event> = Api::namespaced(env.client.clone(), &env.namespace);
-    Ok(events
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
-        .filter_map(|e| e.reason)
-        .collect())
+    Ok(job_events(env, job).await?.into_iter().filter_map(|e| e.reason).collect())
 }
 
 /// create → PodsCreated → all ready → Running → a pod fails → gang restart at epoch 1 → Running

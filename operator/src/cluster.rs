@@ -251,36 +251,42 @@ impl Drop for OperatorProcess {
 }
 
 /// The operator binary to start: `$RLPLANE_OPERATOR_BIN`, else built with
-/// `cargo build -p rlplane-operator --bin rlplane-operator` in `workspace` (its path read from
-/// cargo's JSON messages, so any target directory works).
+/// `cargo build -p rlplane-operator --bin rlplane-operator` in `workspace`.
 pub fn operator_binary(workspace: &Path) -> anyhow::Result<PathBuf> {
-    if let Some(p) = std::env::var_os("RLPLANE_OPERATOR_BIN").filter(|p| !p.is_empty()) {
+    built_binary(workspace, "RLPLANE_OPERATOR_BIN", "rlplane-operator", "rlplane-operator")
+}
+
+/// The binary `bin` of package `package`: the path in `$env_var` if set, else built with `cargo
+/// build -p <package> --bin <bin>` in `workspace` (its path read from cargo's JSON messages, so
+/// any target directory works).
+pub fn built_binary(workspace: &Path, env_var: &str, package: &str, bin: &str) -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
         let p = PathBuf::from(p);
         if !p.exists() {
-            bail!("RLPLANE_OPERATOR_BIN names {}, which does not exist", p.display());
+            bail!("{env_var} names {}, which does not exist", p.display());
         }
         return Ok(p);
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(workspace)
-        .args(["build", "-p", "rlplane-operator", "--bin", "rlplane-operator", "--message-format=json"])
+        .args(["build", "-p", package, "--bin", bin, "--message-format=json"])
         .stderr(Stdio::inherit())
         .output()
-        .context("cannot run cargo build; set RLPLANE_OPERATOR_BIN to a built rlplane-operator")?;
+        .with_context(|| format!("cannot run cargo build; set {env_var} to a built {bin}"))?;
     if !out.status.success() {
-        bail!("cargo build -p rlplane-operator failed");
+        bail!("cargo build -p {package} --bin {bin} failed");
     }
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
         if msg["reason"] == "compiler-artifact"
-            && msg["target"]["name"] == "rlplane-operator"
+            && msg["target"]["name"] == bin
             && let Some(exe) = msg["executable"].as_str()
         {
             return Ok(PathBuf::from(exe));
         }
     }
-    bail!("cargo build did not report the rlplane-operator executable; set RLPLANE_OPERATOR_BIN")
+    bail!("cargo build did not report the {bin} executable; set {env_var}")
 }
 
 #[cfg(test)]
