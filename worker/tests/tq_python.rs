@@ -39,7 +39,7 @@ def connect(host, port, magic):
     def refused():
         n = struct.unpack("<I", recv_exact(sock, 4))[0]
         raise RuntimeError("refused: " + recv_exact(sock, n).decode())
-    hello = magic + struct.pack("<H", 1) + s(token) + s("py-peer") + struct.pack("<I", 0) + struct.pack("<I", 32) + os.urandom(32)
+    hello = magic + struct.pack("<H", 2) + s(token) + s("py-peer") + struct.pack("<I", 0) + struct.pack("<I", 32) + os.urandom(32)
     sock.sendall(frame(hello))
     if recv_exact(sock, 1) != b"\2": refused()
     challenge = recv_exact(sock, 64)
@@ -49,7 +49,7 @@ def connect(host, port, magic):
     if recv_exact(sock, 1) != b"\0": refused()
     return sock
 
-def header(kind, rid=1): return struct.pack("<HBBI", 1, kind, 0, rid) + s(token)
+def header(kind, rid=1): return struct.pack("<HBBI", 2, kind, 0, rid) + s(token)
 
 class R:
     def __init__(self, b): self.b, self.i = b, 0
@@ -62,19 +62,20 @@ class R:
     def spec(self):
         name, dtype, ragged, ndim = self.str(), self.u8(), self.u8(), self.u8()
         return name, dtype, ragged, [self.u32() for _ in range(ndim)]
-    def meta(self):
-        part = self.str(); schema = [self.spec() for _ in range(self.u32())]; samples = []
-        for _ in range(self.u32()):
-            key, unit, tokens = self.str(), self.u32(), self.u32()
-            rows = [self.u32() for _ in schema]
-            tags = [(self.str(), self.str()) for _ in range(self.u32())]
-            samples.append((key, unit, tokens, rows, tags))
-        return part, schema, samples
+    def u32s(self, n): return np.frombuffer(self.take(4 * n), dtype="<u4")
+    def meta(self):  # columnar: key offsets + key bytes, units, tokens, rows per field, tag sets
+        part = self.str(); schema = [self.spec() for _ in range(self.u32())]; n = self.u32()
+        off = self.u32s(n + 1); kb = self.take(int(off[-1]))
+        keys = [kb[off[i]:off[i + 1]].decode() for i in range(n)]
+        units, tokens, rows = self.u32s(n), self.u32s(n), self.u32s(n * len(schema)).reshape(len(schema), n)
+        sets = [[(self.str(), self.str()) for _ in range(self.u32())] for _ in range(self.u32())]
+        tags = [sets[t] for t in self.u32s(n)]
+        return part, schema, [(keys[i], int(units[i]), int(tokens[i]), rows[:, i].tolist(), tags[i]) for i in range(n)]
 
 def reply(sock):
     r = R(recv_exact(sock, struct.unpack("<I", recv_exact(sock, 4))[0]))
     version, kind, _flags, _rid = r.u16(), r.u8(), r.u8(), r.u32(); r.str()
-    assert version == 1
+    assert version == 2
     if kind == 127: raise RuntimeError("error %d: %s" % (r.u16(), r.str()))
     return kind, r
 
@@ -101,9 +102,13 @@ assert kind == 68 and r.u64() == values.nbytes + reward.nbytes + emb.nbytes, kin
 ctl = connect(ctl_host, ctl_port, b"TQCT")
 meta = s("py-step") + struct.pack("<I", 3) + spec("input_ids", "int64", 1) + spec("reward", "float32", 0) \
      + spec("emb", "float32", 0, (2,)) + struct.pack("<I", 3)
-for k, x in zip(keys, ids):
-    meta += s(k) + struct.pack("<III", unit_id, len(x), len(x)) + struct.pack("<II", 1, 1) \
-          + struct.pack("<I", 1) + s("uid") + s("py")
+kb = [k.encode() for k in keys]
+meta += np.cumsum([0] + [len(k) for k in kb]).astype("<u4").tobytes() + b"".join(kb)   # key offsets, keys
+meta += np.full(3, unit_id, dtype="<u4").tobytes()                                    # units
+meta += np.array([len(x) for x in ids], dtype="<u4").tobytes()                        # tokens
+meta += np.array([[len(x) for x in ids], [1] * 3, [1] * 3], dtype="<u4").tobytes()    # rows, field by field
+meta += struct.pack("<II", 1, 1) + s("uid") + s("py")                                 # one tag set
+meta += np.zeros(3, dtype="<u4").tobytes()                                            # every sample: set 0
 ctl.sendall(frame(header(1) + meta))
 assert reply(ctl)[0] == 64
 

@@ -770,6 +770,36 @@ fn parse_range(s: &str) -> anyhow::Result<(u32, u32)> {
     Ok((a, b))
 }
 
+/// `rounds` round trips on a plain loopback socket within this process, each a 1-byte request
+/// answered by `reply` bytes (µs each): what any TCP protocol pays to move a reply of that size.
+async fn raw_round_trips(reply: usize, rounds: u32) -> anyhow::Result<Vec<f64>> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        let out = vec![7u8; reply];
+        let mut req = [0u8; 1];
+        while s.read_exact(&mut req).await.is_ok() {
+            s.write_all(&out).await?;
+        }
+        anyhow::Ok(())
+    });
+    let mut c = tokio::net::TcpStream::connect(addr).await?;
+    c.set_nodelay(true)?;
+    let mut buf = vec![0u8; reply];
+    let mut times = Vec::with_capacity(rounds as usize);
+    for _ in 0..rounds {
+        let t = Instant::now();
+        c.write_all(&[1]).await?;
+        c.read_exact(&mut buf).await?;
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(c);
+    server.await??;
+    Ok(times)
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -1198,6 +1228,21 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         times.sort_by(f64::total_cmp);
         lat.insert(label, (percentile(&times, 0.5), percentile(&times, 0.99)));
     }
+    // Reference, same run: a plain loopback round trip moving as many bytes as the whole-partition
+    // claim's reply — the floor any TCP protocol pays for it.
+    let whole = controller.claim(cpart, "raw-reference", n as usize, 0, &["input_ids".to_string()])?;
+    let reply_bytes = 4 + crate::tq::codec::encode(
+        &crate::tq::codec::Header {
+            version: crate::tq::codec::WIRE_VERSION,
+            request_id: 0,
+            token: auth.token().into(),
+        },
+        &crate::tq::codec::Body::Claimed { claim_id: whole.claim_id, lease_ms: 0, meta: whole.meta },
+    )
+    .len();
+    let mut raw_rt = raw_round_trips(reply_bytes, a.claim_rounds).await?;
+    raw_rt.sort_by(f64::total_cmp);
+    let raw_rt = (percentile(&raw_rt, 0.5), percentile(&raw_rt, 0.99));
     controller.clear(cpart).await;
     for p in
         storage.iter_mut().chain(producers.iter_mut()).chain(consumers.iter_mut()).chain(followers.iter_mut().flatten())
@@ -1211,6 +1256,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         "step_bytes": total_bytes, "put_gbps": put_gbps, "get_gbps": get_gbps, "put_to_get_ms": p2g,
         "raw_gbps": raw, "get_over_raw": ratio,
         "ranks_per_shard": a.ranks_per_shard, "fetch": a.fetch, "shard_fetch_ms": shard_fetch_ms,
+        "claim_reply_bytes": reply_bytes, "raw_claim_round_trip_us": json!({"p50": raw_rt.0, "p99": raw_rt.1}),
         "claim_us": lat.iter().map(|(k, (p50, p99))| (k.to_string(), json!({"p50": p50, "p99": p99}))).collect::<serde_json::Map<_, _>>(),
         "storage_rss_bytes": rss_last, "storage_peak_rss_bytes": rss_peak,
         "steps_detail": step_rows,
@@ -1231,6 +1277,13 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     );
     for (k, (p50, p99)) in &lat {
         println!("  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   ({n}-sample partition)", k, p50, p99);
+    }
+    println!(
+        "  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   (plain socket, {reply_bytes} bytes: the whole claim's reply)",
+        "raw_round_trip", raw_rt.0, raw_rt.1
+    );
+    if let Some((p50, _)) = lat.get("tcp_claim_all") {
+        println!("  tcp_claim_all / raw round trip (p50) {:>6.2}", p50 / raw_rt.0);
     }
     println!(
         "  storage RSS (all units) {:>8.1} MB after a step, peak {:.1} MB",

@@ -11,17 +11,24 @@
 //! with `np.frombuffer` and a Rust peer writes them with vectored writes straight from the stored
 //! buffers. `docs/transfer-queue.md` documents every body.
 //!
+//! Batch metadata is columnar: every key in one byte run with `n + 1` offsets, then one `u32` array
+//! each for units, tokens and (field by field) rows, then the distinct tag sets once and a set
+//! index per sample. Decoding it allocates one buffer for all keys (each [`SampleKey`] shares it)
+//! and one per distinct tag set, not one per sample.
+//!
 //! Decoding never panics and never allocates more than the frame it reads: every count is checked
 //! against the bytes left, every length against its declaration.
 
+use std::collections::HashMap;
 use std::io::IoSlice;
+use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::column::{ABSENT, BatchMeta, DType, FieldRows, FieldSpec, SampleKey, SampleMeta, SampleTags};
+use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleKey, SampleMeta, SampleTags};
 
 /// Version of the wire format; carried by every message. A peer of another version is refused.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 
 /// Handshake magic of the controller service.
 pub const CONTROLLER_MAGIC: [u8; 4] = *b"TQCT";
@@ -349,23 +356,65 @@ impl Writer {
     }
     fn meta(&mut self, m: &BatchMeta) {
         self.str(&m.partition);
-        self.u32(m.schema.len() as u32);
+        let nf = m.schema.len();
+        self.u32(nf as u32);
         for f in &m.schema {
             self.spec(f);
         }
-        self.u32(m.samples.len() as u32);
+        let n = m.samples.len();
+        self.u32(n as u32);
+        let key_bytes: usize = m.samples.iter().map(|s| s.key.len()).sum();
+        self.0.reserve(key_bytes + 4 * (n * (4 + nf) + 2));
+        // Keys: n + 1 byte offsets, then every key's bytes back to back.
+        let mut end = 0u32;
+        self.u32(end);
         for s in &m.samples {
-            self.str(&s.key);
+            end = end.wrapping_add(s.key.len() as u32);
+            self.u32(end);
+        }
+        for s in &m.samples {
+            self.0.extend_from_slice(s.key.as_bytes());
+        }
+        for s in &m.samples {
             self.u32(s.unit);
+        }
+        for s in &m.samples {
             self.u32(s.tokens);
-            for i in 0..m.schema.len() {
-                self.u32(s.rows.get(i).copied().unwrap_or(ABSENT));
+        }
+        for f in 0..nf {
+            for s in &m.samples {
+                self.u32(s.rows.get(f).copied().unwrap_or(ABSENT));
             }
-            self.u32(s.tags.len() as u32);
-            for (k, v) in s.tags.iter() {
+        }
+        // Tags: each distinct set once (samples share their sets), then every sample's set index.
+        let mut sets: Vec<&SampleTags> = Vec::new();
+        let mut by_ptr: HashMap<*const (String, String), u32> = HashMap::new();
+        let mut empty = None;
+        let mut index = Vec::with_capacity(n);
+        for s in &m.samples {
+            let i = if s.tags.is_empty() {
+                *empty.get_or_insert_with(|| {
+                    sets.push(&s.tags);
+                    sets.len() as u32 - 1
+                })
+            } else {
+                *by_ptr.entry(s.tags.as_ptr()).or_insert_with(|| {
+                    sets.push(&s.tags);
+                    sets.len() as u32 - 1
+                })
+            };
+            index.push(i);
+        }
+        self.u32(sets.len() as u32);
+        for set in sets {
+            self.u32(set.len() as u32);
+            for (k, v) in set.iter() {
                 self.str(k);
                 self.str(v);
             }
+        }
+        for i in index {
+            self.u32(i);
         }
     }
     fn block(&mut self, b: &Block) {
@@ -531,25 +580,63 @@ impl<'a> Reader<'a> {
         let partition = self.str("partition")?;
         let nf = self.count(7, "schema")?;
         let schema = (0..nf).map(|_| self.spec()).collect::<Result<Vec<_>, _>>()?;
-        let min_sample = 4 + 4 + 4 + 4 * nf + 4;
-        let ns = self.count(min_sample, "samples")?;
-        let mut samples = Vec::with_capacity(ns);
-        for _ in 0..ns {
-            // Straight from the frame into the shared key: one allocation per sample.
-            let key = SampleKey::from(self.str_ref("sample key")?);
-            let unit = self.u32("unit")?;
-            let tokens = self.u32("tokens")?;
-            let rows = (0..nf).map(|_| self.u32("rows")).collect::<Result<FieldRows, _>>()?;
+        // Per sample at least: a key offset, unit, tokens, a row count per field, a tag set index.
+        let ns = self.count(4 * (4 + nf), "samples")?;
+        let offsets_at = self.pos;
+        let offsets = self.take(4 * (ns + 1), "key offsets")?;
+        if le32(offsets, 0) != 0 {
+            return Err(CodecError {
+                offset: offsets_at,
+                what: format!("key offsets start at {}, not 0", le32(offsets, 0)),
+            });
+        }
+        let keys_len = le32(offsets, ns) as usize;
+        let keys_at = self.pos;
+        let keys = self.take(keys_len, "sample keys")?;
+        let keys = std::str::from_utf8(keys)
+            .map_err(|_| CodecError { offset: keys_at, what: "the sample keys are not UTF-8".into() })?;
+        // One buffer for every key: each sample's key shares it, no allocation per sample.
+        let keys: Arc<str> = Arc::from(keys);
+        let units = self.take(4 * ns, "units")?;
+        let tokens = self.take(4 * ns, "tokens")?;
+        let rows = self.take(4 * ns * nf, "rows")?;
+        let nsets = self.count(4, "tag sets")?;
+        let mut sets = Vec::with_capacity(nsets);
+        for _ in 0..nsets {
             let nt = self.count(8, "tags")?;
             // No tags: the shared empty slice, no allocation.
-            let tags = if nt == 0 {
+            sets.push(if nt == 0 {
                 SampleTags::default()
             } else {
                 (0..nt)
                     .map(|_| Ok((self.str("tag name")?, self.str("tag value")?)))
                     .collect::<Result<SampleTags, _>>()?
-            };
-            samples.push(SampleMeta { key, unit, tokens, rows, tags });
+            });
+        }
+        let index_at = self.pos;
+        let index = self.take(4 * ns, "tag set indices")?;
+        let mut samples = Vec::with_capacity(ns);
+        for i in 0..ns {
+            let (a, b) = (le32(offsets, i) as usize, le32(offsets, i + 1) as usize);
+            let key = SampleKey::shared(&keys, a..b).ok_or_else(|| CodecError {
+                offset: offsets_at + 4 * i,
+                what: format!(
+                    "sample {i}'s key spans bytes {a}..{b} of {keys_len} key bytes: offsets must start at 0, never \
+                     decrease and fall on character boundaries"
+                ),
+            })?;
+            let t = le32(index, i);
+            let tags = sets.get(t as usize).cloned().ok_or_else(|| CodecError {
+                offset: index_at + 4 * i,
+                what: format!("sample {i} names tag set {t} of {nsets}"),
+            })?;
+            samples.push(SampleMeta {
+                key,
+                unit: le32(units, i),
+                tokens: le32(tokens, i),
+                rows: (0..nf).map(|f| le32(rows, f * ns + i)).collect(),
+                tags,
+            });
         }
         Ok(BatchMeta { partition, schema, samples })
     }
@@ -578,6 +665,11 @@ impl<'a> Reader<'a> {
         }
         Ok(Block { n, columns })
     }
+}
+
+/// The `i`-th little-endian u32 of `b` (whose length the caller checked).
+fn le32(b: &[u8], i: usize) -> u32 {
+    u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"))
 }
 
 /// Decodes a header frame's payload. Never panics; every error says where and what.
@@ -908,6 +1000,8 @@ pub async fn skip_buffers<R: AsyncReadExt + Unpin>(r: &mut R, block: &Block) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tq::FieldRows;
+    use proptest::prelude::*;
 
     fn meta() -> BatchMeta {
         BatchMeta {
@@ -972,6 +1066,116 @@ mod tests {
             longer.push(0);
             assert!(decode(&longer).is_err());
         }
+    }
+
+    /// Metadata with random schemas, keys (any Unicode), rows (absent or not) and tags: shared
+    /// sets, fresh per-sample sets and none.
+    fn any_meta() -> impl Strategy<Value = BatchMeta> {
+        let field = ("[a-z_]{1,8}", 0..DType::ALL.len(), any::<bool>(), prop::collection::vec(1u32..5, 0..3));
+        let sample = (
+            "\\PC{0,6}",
+            any::<u32>(),
+            any::<u32>(),
+            prop::collection::vec(prop_oneof![Just(ABSENT), 0u32..9999], 5),
+            0..4usize,
+        );
+        ("\\PC{0,10}", prop::collection::vec(field, 0..5), prop::collection::vec(sample, 0..40)).prop_map(
+            |(partition, fields, samples)| {
+                let schema: Vec<FieldSpec> = fields
+                    .into_iter()
+                    .map(|(name, d, ragged, inner)| FieldSpec { name, dtype: DType::ALL[d], ragged, inner })
+                    .collect();
+                let shared: SampleTags = vec![("uid".into(), "ü-7".into()), ("rm".into(), String::new())].into();
+                let samples = samples
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (key, unit, tokens, rows, t))| SampleMeta {
+                        key: key.into(),
+                        unit,
+                        tokens,
+                        rows: rows[..schema.len()].iter().copied().collect(),
+                        tags: match t {
+                            0 => SampleTags::default(),
+                            1 => shared.clone(),
+                            2 => vec![("uid".into(), "ü-7".into()), ("rm".into(), String::new())].into(),
+                            _ => vec![("n".into(), i.to_string())].into(),
+                        },
+                    })
+                    .collect();
+                BatchMeta { partition, schema, samples }
+            },
+        )
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config { cases: 128, ..Default::default() })]
+
+        #[test]
+        fn columnar_meta_round_trips_in_every_body_and_every_truncation_is_an_error(meta in any_meta()) {
+            let h = Header { version: WIRE_VERSION, request_id: 3, token: "e0-abc".into() };
+            let block = Block { n: meta.samples.len() as u32, columns: vec![] };
+            for body in [
+                Body::Register(meta.clone()),
+                Body::Claimed { claim_id: 1, lease_ms: 5, meta: meta.clone() },
+                Body::Fanout { meta: meta.clone(), block },
+            ] {
+                let frame = encode(&h, &body);
+                proptest::prop_assert_eq!(decode(&frame).unwrap(), (h.clone(), body.clone()));
+                for cut in 0..frame.len() {
+                    proptest::prop_assert!(decode(&frame[..cut]).is_err(), "cut at {}", cut);
+                }
+            }
+        }
+
+        #[test]
+        fn corrupted_columnar_meta_fails_cleanly_or_re_encodes_stably(
+            meta in any_meta(),
+            flips in prop::collection::vec((any::<usize>(), 1u8..), 1..4),
+        ) {
+            let h = Header { version: WIRE_VERSION, request_id: 3, token: "t".into() };
+            let mut frame = encode(&h, &Body::Claimed { claim_id: 1, lease_ms: 5, meta });
+            for (at, x) in flips {
+                let at = at % frame.len();
+                frame[at] ^= x;
+            }
+            if let Ok((h, body)) = decode(&frame) {
+                proptest::prop_assert_eq!(decode(&encode(&h, &body)).unwrap(), (h, body));
+            }
+        }
+    }
+
+    #[test]
+    fn bad_key_offsets_and_tag_set_indices_are_errors() {
+        // Two samples, no fields, no tags: the body ends with key offsets (12 bytes), keys "ab" and
+        // "é" (4 bytes), units (8), tokens (8), one empty tag set (8) and the set indices (8).
+        let meta = BatchMeta {
+            partition: "p".into(),
+            schema: vec![],
+            samples: ["ab", "é"]
+                .into_iter()
+                .map(|k| SampleMeta {
+                    key: k.into(),
+                    unit: 0,
+                    tokens: 1,
+                    rows: FieldRows::new(),
+                    tags: Default::default(),
+                })
+                .collect(),
+        };
+        let h = Header { version: WIRE_VERSION, request_id: 1, token: "t".into() };
+        let frame = encode(&h, &Body::Register(meta.clone()));
+        assert_eq!(decode(&frame).unwrap().1, Body::Register(meta));
+        let offsets = frame.len() - 48;
+        assert_eq!(&frame[offsets..offsets + 12], &[0, 0, 0, 0, 2, 0, 0, 0, 4, 0, 0, 0]);
+        let patched = |at: usize, v: u32| {
+            let mut f = frame.clone();
+            f[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            decode(&f).unwrap_err().to_string()
+        };
+        assert!(patched(offsets, 1).contains("start at 1"));
+        assert!(patched(offsets + 4, 3).contains("character boundaries"), "splits the é");
+        assert!(patched(offsets + 4, 5).contains("spans bytes 0..5"), "past the key bytes");
+        assert!(patched(frame.len() - 4, 1).contains("tag set 1 of 1"));
     }
 
     #[test]

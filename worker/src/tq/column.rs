@@ -349,9 +349,129 @@ impl Column {
 /// Row count meaning "this sample does not have this field (yet)".
 pub const ABSENT: u32 = u32::MAX;
 
-/// A sample's key within its partition. Shared: the controller hands out a claim's metadata
-/// without copying keys.
-pub type SampleKey = Arc<str>;
+/// A sample's key within its partition: a string that shares its buffer. Keys decoded from one
+/// message share one buffer (the message's key bytes), and cloning one allocates nothing, so the
+/// controller hands out a claim's metadata, and a client decodes one, without an allocation per
+/// key. Compares, hashes and orders as its string.
+#[derive(Clone)]
+pub struct SampleKey {
+    buf: Arc<str>,
+    start: usize,
+    end: usize,
+}
+
+impl SampleKey {
+    /// The key `buf[range]`, sharing `buf`; `None` if the range is out of bounds or not on
+    /// character boundaries.
+    pub fn shared(buf: &Arc<str>, range: std::ops::Range<usize>) -> Option<SampleKey> {
+        buf.get(range.clone())?;
+        Some(SampleKey { buf: buf.clone(), start: range.start, end: range.end })
+    }
+
+    /// The key as a string.
+    pub fn as_str(&self) -> &str {
+        &self.buf[self.start..self.end]
+    }
+}
+
+impl From<&str> for SampleKey {
+    fn from(s: &str) -> SampleKey {
+        SampleKey::from(Arc::<str>::from(s))
+    }
+}
+
+impl From<String> for SampleKey {
+    fn from(s: String) -> SampleKey {
+        SampleKey::from(Arc::<str>::from(s))
+    }
+}
+
+impl From<Arc<str>> for SampleKey {
+    fn from(buf: Arc<str>) -> SampleKey {
+        SampleKey { end: buf.len(), buf, start: 0 }
+    }
+}
+
+impl std::ops::Deref for SampleKey {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl AsRef<str> for SampleKey {
+    fn as_ref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl std::borrow::Borrow<str> for SampleKey {
+    fn borrow(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl PartialEq for SampleKey {
+    fn eq(&self, other: &SampleKey) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for SampleKey {}
+
+impl PartialEq<str> for SampleKey {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for SampleKey {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl PartialOrd for SampleKey {
+    fn partial_cmp(&self, other: &SampleKey) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for SampleKey {
+    fn cmp(&self, other: &SampleKey) -> std::cmp::Ordering {
+        self.as_str().cmp(other.as_str())
+    }
+}
+
+impl std::hash::Hash for SampleKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state)
+    }
+}
+
+impl std::fmt::Debug for SampleKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl std::fmt::Display for SampleKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for SampleKey {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for SampleKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SampleKey, D::Error> {
+        String::deserialize(d).map(SampleKey::from)
+    }
+}
 
 /// A sample's rows per field, inline for up to 8 fields: metadata of a 4096-sample step costs
 /// no allocation per sample.
@@ -454,6 +574,24 @@ mod tests {
         assert!(col.sample_as::<f32>(0).is_err());
         let again = Column::from_parts(col.spec().clone(), 3, col.values().clone(), col.offsets().to_vec()).unwrap();
         assert_eq!(again, col);
+    }
+
+    #[test]
+    fn shared_keys_behave_as_their_strings() {
+        let buf: Arc<str> = Arc::from("a_g0é_g1");
+        let a = SampleKey::shared(&buf, 0..4).unwrap();
+        let b = SampleKey::shared(&buf, 4..9).unwrap();
+        assert_eq!((a.as_str(), &*b), ("a_g0", "é_g1"));
+        assert!(SampleKey::shared(&buf, 4..5).is_none(), "splits the é");
+        assert!(SampleKey::shared(&buf, std::ops::Range { start: 6, end: 4 }).is_none(), "reversed");
+        assert!(SampleKey::shared(&buf, 0..10).is_none());
+        assert_eq!(a, SampleKey::from("a_g0"));
+        assert!(a < b && a == "a_g0");
+        let map: std::collections::HashMap<SampleKey, u32> = [(a.clone(), 0), (b, 1)].into_iter().collect();
+        assert_eq!(map.get("é_g1"), Some(&1));
+        assert_eq!(serde_json::to_string(&a).unwrap(), "\"a_g0\"");
+        assert_eq!(serde_json::from_str::<SampleKey>("\"a_g0\"").unwrap(), a);
+        assert_eq!(format!("{a} {a:?}"), "a_g0 \"a_g0\"");
     }
 
     #[test]
