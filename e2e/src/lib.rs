@@ -415,15 +415,29 @@ pub async fn token_kubeconfig(dir: &Path, name: &str, token: &str) -> anyhow::Re
     std::fs::create_dir_all(dir)?;
     let (server, ca) = api_server_of_kubeconfig(dir).await?;
     let path = dir.join(format!("{name}.kubeconfig"));
+    write_kubeconfig(&path, &server, &ca, &format!("token: {token}"), None)?;
+    Ok(path)
+}
+
+/// Writes a kubeconfig (mode 0600) for `server`, trusting `ca`, with `user` as the user's
+/// credentials (`token: …` or `tokenFile: …`) and an optional default namespace.
+pub fn write_kubeconfig(
+    path: &Path,
+    server: &str,
+    ca: &Path,
+    user: &str,
+    namespace: Option<&str>,
+) -> anyhow::Result<()> {
+    let namespace = namespace.map(|n| format!(", namespace: {n}")).unwrap_or_default();
     let text = format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {server}\n    certificate-authority: {}\n\
-         users:\n- name: u\n  user:\n    token: {token}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\n\
+         users:\n- name: u\n  user:\n    {user}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u{namespace}}}\n\
          current-context: c\n",
         ca.display()
     );
-    std::fs::write(&path, text)?;
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-    Ok(path)
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    Ok(())
 }
 
 /// The worker binary the node agent runs for `rlplane`: `$RLPLANE_WORKER_BIN` (scripts/test builds

@@ -347,15 +347,8 @@ async fn start_pod(
     let kubeconfig = match &token_dir {
         Some(d) => {
             let kc = dir.join("kubeconfig");
-            std::fs::write(
-                &kc,
-                format!(
-                    "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {}\n    certificate-authority: {}\nusers:\n- name: u\n  user:\n    tokenFile: {}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u, namespace: {ns}}}\ncurrent-context: c\n",
-                    cfg.api_server,
-                    d.join("ca.crt").display(),
-                    d.join("token").display()
-                ),
-            )?;
+            let user = format!("tokenFile: {}", d.join("token").display());
+            crate::write_kubeconfig(&kc, &cfg.api_server, &d.join("ca.crt"), &user, Some(ns))?;
             Some(kc)
         }
         None => None,

@@ -50,12 +50,15 @@ impl Cluster {
         Ok(Some(Cluster { env, agent, dir }))
     }
 
-    /// `kubectl apply -n <ns> -f manifests/<file>` with the manifest's text edited by `edit`.
+    /// `kubectl apply -n <ns> -f manifests/<file>` with the manifest's text edited by `edit`;
+    /// prints kubectl's answer and returns the job's name (from `rljob.rlplane.dev/<name> created`).
     fn apply(&self, file: &str, edit: impl FnOnce(String) -> String) -> anyhow::Result<String> {
         let text = std::fs::read_to_string(workspace().join("manifests").join(file))?;
         let (ok, out, err) = kubectl_stdin(&["apply", "-n", &self.env.namespace, "-f", "-"], &edit(text))?;
         anyhow::ensure!(ok, "kubectl apply -f manifests/{file} failed:\n{err}");
-        Ok(out.trim().to_string())
+        println!("$ kubectl apply -f manifests/{file}\n{}", out.trim());
+        let name = out.split_whitespace().next().and_then(|o| o.strip_prefix("rljob.rlplane.dev/"));
+        Ok(name.with_context(|| format!("kubectl apply named no RLJob: {out}"))?.to_string())
     }
 
     /// Waits for `done`, and on a timeout or a Failed job shows the pods' logs.
@@ -142,10 +145,7 @@ async fn runs_to_succeeded(file: &str) -> anyhow::Result<()> {
     };
     let ns = c.env.namespace.clone();
     let watch = Watch::start(&ns, &c.dir)?;
-    let applied = c.apply(file, |t| t)?;
-    println!("$ kubectl apply -f manifests/{file}\n{applied}");
-    let name =
-        applied.split_whitespace().next().unwrap_or_default().trim_start_matches("rljob.rlplane.dev/").to_string();
+    let name = c.apply(file, |t| t)?;
 
     let progress = record_progress(&c.env, &name, |j| phase_of(j).is_some_and(|p| p.is_finished())).await?;
     let job = c.wait(&name, "Succeeded", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
@@ -188,9 +188,7 @@ async fn the_colocated_cpu_job_applied_with_kubectl_runs_to_succeeded() -> anyho
 async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused() -> anyhow::Result<()> {
     let Some(c) = Cluster::start("job-kill").await? else { return Ok(()) };
     // Enough steps that the kill lands mid-job.
-    let applied = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 12"))?;
-    let name =
-        applied.split_whitespace().next().unwrap_or_default().trim_start_matches("rljob.rlplane.dev/").to_string();
+    let name = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 12"))?;
     c.wait(&name, "the first step", |j| j.status.as_ref().and_then(|s| s.step).is_some_and(|s| s >= 1)).await?;
 
     // Keep the old epoch's plan (and its token) before the restart replaces it.
@@ -334,9 +332,7 @@ async fn scrape_and_query(c: &Cluster, port: u16, dir: &Path) -> anyhow::Result<
     let start = unix_now();
     // Long enough to be discovered (Prometheus applies new targets at most every 5 s) and scraped
     // for a while: ~0.1 s a step here.
-    let applied = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 200"))?;
-    let name =
-        applied.split_whitespace().next().unwrap_or_default().trim_start_matches("rljob.rlplane.dev/").to_string();
+    let name = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 200"))?;
     c.wait(&name, "Running", |j| phase_of(j).is_some_and(|p| p == Phase::Running || p.is_finished())).await?;
     // Every pod of the job is a target, discovered through the API server, and scraped.
     let pods = c.env.pods_of(&name).await?.len();

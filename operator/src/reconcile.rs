@@ -116,15 +116,21 @@ impl Context {
     }
 }
 
-/// A fingerprint of the objects of `d` (pods excluded), stable within this process: equal
-/// fingerprints mean identical objects to apply.
+/// A fingerprint of the objects of `d` (the decision's ApplyObjects step carries no pods), stable
+/// within this process: equal fingerprints mean identical objects to apply. The Debug text is
+/// hashed as it is written, never held or cloned.
 fn objects_fingerprint(d: &Desired) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut objects = d.clone();
-    objects.pods = Vec::new();
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    format!("{objects:?}").hash(&mut h);
-    h.finish()
+    use std::hash::Hasher;
+    struct HashWriter(std::collections::hash_map::DefaultHasher);
+    impl std::fmt::Write for HashWriter {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            self.0.write(s.as_bytes());
+            Ok(())
+        }
+    }
+    let mut h = HashWriter(std::collections::hash_map::DefaultHasher::new());
+    let _ = std::fmt::Write::write_fmt(&mut h, format_args!("{d:?}"));
+    h.0.finish()
 }
 
 fn key(job: &RLJob) -> String {
