@@ -85,10 +85,6 @@ impl LocalAddressing {
     }
 }
 
-/// Environment variable telling a rank which physical GPU its pod's slot 0 is (one machine runs
-/// every pod, so pods' GPU slots are laid out one after another).
-pub const GPU_BASE_ENV: &str = "RLPLANE_GPU_BASE";
-
 /// The physical GPU of slot 0 of every pod when all pods share one machine with `available` GPUs:
 /// pods one after another; an error when they do not fit.
 pub fn gpu_bases(plan: &WorkerPlan, available: usize) -> anyhow::Result<Vec<u32>> {
@@ -110,11 +106,6 @@ pub fn gpu_bases(plan: &WorkerPlan, available: usize) -> anyhow::Result<Vec<u32>
         );
     }
     Ok(bases)
-}
-
-/// The physical GPU a process of this machine uses: its slot plus its pod's base.
-pub fn physical_gpu(slot: u32) -> u32 {
-    slot + std::env::var(GPU_BASE_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 impl Addressing for LocalAddressing {
@@ -298,7 +289,7 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
         // This run's key, whatever the calling shell's environment says.
         cmd.env(rlplane_api::plan::KEY_FILE_ENV, &key_path);
         if let Some(b) = &bases {
-            cmd.env(GPU_BASE_ENV, b[p.pod as usize].to_string());
+            cmd.env(crate::gpu::GPU_BASE_ENV, b[p.pod as usize].to_string());
         }
         sup.spawn(&p.name, &describe(&plan, i as u32), cmd).with_context(|| format!("starting {}", p.name))?;
     }

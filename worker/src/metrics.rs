@@ -38,7 +38,7 @@ use rlplane_api::plan::{ProcessRole, WorkerPlan};
 use crate::coordinator::{Observer, Progress, StepRecord};
 use crate::net::Refusals;
 use crate::refit::RefitStats;
-use crate::roles::refit_side::{self, Kind};
+use crate::refit::TransportKind as Kind;
 use crate::tq::StorageUnit;
 
 /// Prefix of every worker metric.
@@ -123,7 +123,7 @@ impl JobLabels {
     /// differ, `none` without refit groups).
     pub fn of(plan: &WorkerPlan) -> JobLabels {
         let kinds: HashSet<&str> =
-            plan.refit_groups.iter().map(|g| transport_name(refit_side::kind(plan, g))).collect();
+            plan.refit_groups.iter().map(|g| transport_name(crate::refit::transport_kind(plan, g))).collect();
         let transport = match kinds.len() {
             0 => "none".to_string(),
             1 => kinds.into_iter().next().unwrap_or_default().to_string(),
@@ -348,7 +348,7 @@ pub fn rank_labels(plan: &WorkerPlan, me: u32) -> (&'static str, String) {
 /// The transport label of a rank: its refit group's transport, else the job's.
 fn rank_transport(plan: &WorkerPlan, me: u32) -> String {
     match plan.refit_groups_of(me).first() {
-        Some(g) => transport_name(refit_side::kind(plan, g)).to_string(),
+        Some(g) => transport_name(crate::refit::transport_kind(plan, g)).to_string(),
         None => JobLabels::of(plan).transport,
     }
 }

@@ -36,9 +36,10 @@ use tokio::process::{Child, ChildStdin, ChildStdout};
 use crate::gpu::nccl::{Comm, UniqueId};
 use crate::gpu::tensors::DeviceTensors;
 use crate::gpu::{DeviceBuffer, Gpu, GpuError, copy_async};
+use crate::refit::TransportKind as Kind;
 use crate::refit::{self, RefitPlan};
 use crate::roles::generation::segment_id;
-use crate::roles::refit_side::{self, Kind, Receiver, Sender, Weights};
+use crate::roles::refit_side::{self, Receiver, Sender, Weights};
 
 /// GPU transports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -22,6 +22,15 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result};
 
+/// Environment variable telling a rank which physical GPU its pod's slot 0 is (one machine runs
+/// every pod, so pods' GPU slots are laid out one after another).
+pub const GPU_BASE_ENV: &str = "RLPLANE_GPU_BASE";
+
+/// The physical GPU a process of this machine uses: its slot plus its pod's base.
+pub fn physical_gpu(slot: u32) -> u32 {
+    slot + std::env::var(GPU_BASE_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
 /// A GPU error: the operation and what the driver said.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{op}: {detail}")]

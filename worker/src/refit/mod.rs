@@ -14,6 +14,7 @@ pub mod stream;
 
 use std::sync::Arc;
 
+use rlplane_api::RefitTransport;
 use rlplane_api::plan::{ProcessRole, RefitGroup, WorkerPlan};
 use rlplane_api::spec::RefitSource;
 use tokio::time::Instant;
@@ -24,6 +25,34 @@ pub use stream::{RefitError, RefitReceiver, RefitSender, RefitStats, StagingPoli
 
 use crate::net::JobAuth;
 use crate::transport::tcp::{self, RefitListener, Route, TcpOptions, TcpTransport};
+
+/// The transport a refit group's members use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// TCP, host memory.
+    Tcp,
+    /// NCCL, GPU memory.
+    Nccl,
+    /// CUDA IPC, GPU memory.
+    Ipc,
+}
+
+/// The transport of `group` under the plan's (resolved) setting: `Tcp` keeps weights in host
+/// memory; `Nccl` and `CudaIpc` in GPU memory. `Auto` on GPUs follows what was measured on
+/// 4×H200 (docs/benchmarks.md): CUDA IPC for a group sharing one node with a single receiver per
+/// sender's bytes, NCCL for fan-out to several receivers and across nodes.
+pub fn transport_kind(plan: &WorkerPlan, group: &RefitGroup) -> TransportKind {
+    match plan.refit.transport {
+        RefitTransport::Tcp => TransportKind::Tcp,
+        RefitTransport::Nccl => TransportKind::Nccl,
+        RefitTransport::CudaIpc => TransportKind::Ipc,
+        RefitTransport::Auto if plan.device == rlplane_api::Device::Cpu => TransportKind::Tcp,
+        // Colocated ranks share GPUs, which NCCL cannot put in one communicator.
+        RefitTransport::Auto if plan.mode == rlplane_api::Mode::Colocated => TransportKind::Ipc,
+        RefitTransport::Auto if group.same_node && group.receivers.len() == 1 => TransportKind::Ipc,
+        RefitTransport::Auto => TransportKind::Nccl,
+    }
+}
 
 /// One sender's stream in a refit group: the sender, its plan and its relay route.
 #[derive(Clone, Debug)]

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use rlplane_api::RefitTransport;
 use rlplane_api::plan::{RefitGroup, WorkerPlan};
 use tokio::time::Instant;
 
@@ -22,35 +21,12 @@ use crate::gpu::Gpu;
 use crate::gpu::tensors::DeviceTensors;
 use crate::net::JobAuth;
 use crate::refit::memory::{DestinationMemory, HostTensors, Region, SourceMemory};
-use crate::refit::{self, RefitPlan, RefitReceiver, RefitSender, RefitStats, StreamConfig, WeightsState};
+use crate::refit::{
+    self, RefitPlan, RefitReceiver, RefitSender, RefitStats, StreamConfig, TransportKind as Kind, WeightsState,
+};
 use crate::transport::cuda_ipc::{self, IpcMode, IpcTransport};
 use crate::transport::nccl::NcclTransport;
 use crate::transport::tcp::{RefitListener, TcpOptions, TcpTransport};
-
-/// The transport a group's members use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    /// TCP, host memory.
-    Tcp,
-    /// NCCL, GPU memory.
-    Nccl,
-    /// CUDA IPC, GPU memory.
-    Ipc,
-}
-
-/// The transport of `group` under the plan's (resolved) setting.
-pub fn kind(plan: &WorkerPlan, group: &RefitGroup) -> Kind {
-    match plan.refit.transport {
-        RefitTransport::Tcp => Kind::Tcp,
-        RefitTransport::Nccl => Kind::Nccl,
-        RefitTransport::CudaIpc => Kind::Ipc,
-        RefitTransport::Auto if plan.device == rlplane_api::Device::Cpu => Kind::Tcp,
-        // Colocated ranks share GPUs, which NCCL cannot put in one communicator.
-        RefitTransport::Auto if plan.mode == rlplane_api::Mode::Colocated => Kind::Ipc,
-        RefitTransport::Auto if group.same_node && group.receivers.len() == 1 => Kind::Ipc,
-        RefitTransport::Auto => Kind::Nccl,
-    }
-}
 
 /// A listener bound before the rank announces readiness.
 pub enum Listener {
@@ -371,7 +347,7 @@ pub fn open_gpu(plan: &WorkerPlan, me: u32, kind: Kind) -> anyhow::Result<Option
         return Ok(None);
     }
     let slot = plan.process(me).gpu.context("a GPU transport for a process without a GPU in the plan")?;
-    let ordinal = crate::local::physical_gpu(slot);
+    let ordinal = crate::gpu::physical_gpu(slot);
     let gpu = Gpu::open(ordinal as usize)?;
     if let Ok(v) = crate::gpu::nccl_version()
         && kind == Kind::Nccl

@@ -16,12 +16,13 @@ use rlplane_api::plan::{ProcessRole, TrainerCoords, WorkerPlan};
 use tracing::Instrument;
 
 use super::generation::segment_id;
-use super::refit_side::{self, Kind, Sender, Weights};
+use super::refit_side::{self, Sender, Weights};
 use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::digest::Digest;
 use crate::metrics::RankMetrics;
 use crate::net::JobAuth;
+use crate::refit::TransportKind as Kind;
 use crate::refit::{self, RefitPlan, ShardCoords};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
@@ -61,7 +62,7 @@ pub async fn run(
 
     // The transport (and so the memory) follows the group this rank sends to, or any group.
     let kind = match group.as_ref().or(plan.refit_groups.first()) {
-        Some(g) => refit_side::kind(plan, g),
+        Some(g) => refit::transport_kind(plan, g),
         None => Kind::Tcp,
     };
     let gpu = refit_side::open_gpu(plan, me, kind)?;
