@@ -58,7 +58,11 @@ class Client:
 
     def __init__(self, socket: str | None = None, *, timeout: float = 120.0, index: int | None = None) -> None:
         path = _wire.socket_path(self.role, socket, index)
-        self._conn = _wire.connect(path, timeout)
+        self._attach(_wire.connect(path, timeout))
+
+    def _attach(self, conn: _wire.Connection) -> None:
+        """Says hello on a connected socket and sets the client up."""
+        self._conn = conn
         try:
             reply = self._conn.call(
                 "hello", protocol=_wire.PROTOCOL, role=self.role, client=f"rlplane-python/{__version__}"
@@ -343,8 +347,8 @@ class Engine(Client):
 
     role: ClassVar[str] = "engine"
 
-    def __init__(self, socket: str | None = None, *, timeout: float = 120.0, index: int | None = None) -> None:
-        super().__init__(socket, timeout=timeout, index=index)
+    def _attach(self, conn: _wire.Connection) -> None:
+        super()._attach(conn)
         self._open_step: int | None = None
         self._staging: list[dict[str, Any]] = []
         self._staging_views: dict[str, Any] = {}
