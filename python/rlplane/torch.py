@@ -337,7 +337,8 @@ _opened: dict[tuple[str, int], int] = {}
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_SIZE)]
+    # Bytes, not c_char: a c_char array assigned from bytes stops at the first NUL.
+    _fields_ = [("reserved", ctypes.c_ubyte * _IPC_HANDLE_SIZE)]
 
 
 def _load_cudart() -> Any:
@@ -376,6 +377,8 @@ def _load_cudart() -> Any:
             lib.cudaIpcOpenMemHandle.restype = ctypes.c_int
             lib.cudaGetErrorString.argtypes = [ctypes.c_int]
             lib.cudaGetErrorString.restype = ctypes.c_char_p
+            lib.cudaGetLastError.argtypes = []
+            lib.cudaGetLastError.restype = ctypes.c_int
             _cudart = lib
             return lib
         raise ConfigError(
@@ -400,9 +403,10 @@ def _open_handle(handle_hex: str, device: int) -> int:
     t = _torch()
     out = ctypes.c_void_p()
     with t.cuda.device(device):
-        rc = lib.cudaIpcOpenMemHandle(ctypes.byref(out), _IpcHandle(raw), 1)  # cudaIpcMemLazyEnablePeerAccess
+        rc = lib.cudaIpcOpenMemHandle(ctypes.byref(out), _IpcHandle.from_buffer_copy(raw), 1)  # lazy peer access
     if rc != 0:
         msg = lib.cudaGetErrorString(rc).decode(errors="replace")
+        lib.cudaGetLastError()  # clear it, or torch's next CUDA call reports it as its own
         raise ConfigError(
             f"cudaIpcOpenMemHandle failed on cuda:{device}: {msg} (error {rc}). The handle must come from another "
             "process on the same machine, with this process able to see that GPU (CUDA_VISIBLE_DEVICES)"

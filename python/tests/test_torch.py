@@ -161,3 +161,11 @@ def test_ipc_handle_formats() -> None:
         rt._ipc_handle_bytes(b"\x01e" + raw + b"more", "t")
     with pytest.raises(rlplane.InvalidError, match="unknown format"):
         rt._ipc_handle_bytes(b"short", "t")
+
+
+def test_ipc_handle_struct_keeps_every_byte() -> None:
+    import ctypes
+
+    raw = bytes([1, 2, 0, 0, 5] + [7] * 59)  # a real handle has NULs inside
+    h = rt._IpcHandle.from_buffer_copy(raw)
+    assert ctypes.string_at(ctypes.addressof(h), 64) == raw
