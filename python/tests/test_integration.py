@@ -111,10 +111,10 @@ def check_job(tmp: Path, out: Path, steps: int, ranks: int, engines: int) -> Non
     assert len(trainers) == ranks and len(gens) == engines, (trainers, gens)
     for g in gens:
         assert g.get("done"), g
-        assert [s["step"] for s in g["steps"]] == list(range(1, steps + 1)) or len(g["steps"]) == steps, g["steps"]
+        assert [s["step"] for s in g["steps"]] == list(range(1, steps + 1)), g["steps"]
         for s in g["steps"]:
             assert s["bad"] == [], f"{g['rank']} step {s['step']}: weights not the trainer's: {s['bad'][:3]}"
-            assert s["held"] is not None and s["held"] >= (s["version"] or 0)
+            assert s["version"] == s["step"] - 1 and s["held"] == s["version"], s  # the previous step's weights
     put_steps = {s["step"] for g in gens for s in g["steps"]}
     for t in trainers:
         assert t.get("done") and len(t["batches"]) == steps, t
@@ -140,8 +140,8 @@ def test_numpy_trainer_and_direct_engines(rlplane_bin: str, tmp_path: Path) -> N
     p = run_local(rlplane_bin, m, tmp_path)
     assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     check_job(tmp_path, out, steps=3, ranks=2, engines=2)
-    assert os.listdir(tmp_path / "shm") == [] or all(not f.startswith("rlplane-py-client-trainer")
-                                                   for f in os.listdir(tmp_path / "shm"))
+    # The clients removed their own files (rlplane-<job>-<rank>-<pid>-<n>) when they closed.
+    assert [f for f in os.listdir(tmp_path / "shm") if f.startswith("rlplane-py-client-")] == []
 
 
 def test_torch_trainer_and_staged_engines(rlplane_bin: str, tmp_path: Path) -> None:
@@ -163,3 +163,21 @@ def test_a_trainer_failure_fails_the_run_with_its_message(rlplane_bin: str, tmp_
     p = run_local(rlplane_bin, m, tmp_path, timeout=180)
     assert p.returncode != 0
     assert "planned failure at step 2" in p.stdout + p.stderr
+
+
+def test_the_sidecars_errors_reach_the_user_as_exceptions(rlplane_bin: str, tmp_path: Path) -> None:
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, trainer_cmd(1, "--report", str(out), "--probe-errors"),
+                 py("engine.py", "--report", str(out), "--mode", "direct"), data=1, engines=1, steps=1)
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    (t,) = reports(out, "trainer")
+    e = t["errors"]
+    assert e["publish_before_register"]["class"] == "StateError" and "register" in e["publish_before_register"]["message"]
+    assert e["second_connection"]["class"] == "BusyError"
+    mm = e["mismatch"]
+    assert mm["class"] == "MismatchError", mm
+    assert "not.in.the.model" in mm["message"] and "model.embed_tokens.weight" in mm["message"], mm["message"]
+    assert e["staged_trainer"]["class"] == "InvalidError"
+    check_job(tmp_path, out, steps=1, ranks=1, engines=1)

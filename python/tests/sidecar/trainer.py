@@ -27,11 +27,34 @@ def fill(arr: np.ndarray, dtype: str, value: float) -> None:
         arr[...] = np.asarray(value).astype(numpy_dtype(dtype))
 
 
+def probe_errors(t: rlplane.Trainer, held: list) -> dict:
+    """Provokes errors the sidecar answers, before registering for real: what each raised."""
+    out: dict = {}
+
+    def record(key: str, f) -> None:  # noqa: ANN001
+        try:
+            f()
+            out[key] = None
+        except rlplane.RlplaneError as e:
+            out[key] = {"class": type(e).__name__, "kind": e.kind, "message": e.message}
+
+    record("publish_before_register", lambda: t.publish(0))
+    record("second_connection", lambda: rlplane.Trainer(socket=t.socket_path, timeout=5))
+    name0 = held[0][1].name
+    bad = {w.name: t.alloc(w.name) for _, w in held[1:]}
+    bad["not.in.the.model"] = t.alloc("x", "f32", (4,))
+    bad[name0] = t.alloc(name0 + "/wrong", "f32", (3, 3))
+    record("mismatch", lambda: t.register(bad))
+    record("staged_trainer", lambda: t._call("register_weights", mode="staged", tensors=[]))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", required=True)
     ap.add_argument("--torch", action="store_true", help="register a torch model through rlplane.torch")
     ap.add_argument("--fail-at", type=int, default=None, help="call fail() at this step")
+    ap.add_argument("--probe-errors", action="store_true", help="first provoke the sidecar's errors and record them")
     args = ap.parse_args()
     report: dict = {"batches": []}
     with rlplane.Trainer(timeout=60) as t:
@@ -39,6 +62,8 @@ def main() -> int:
         report["rank"] = info.rank.name
         report["hello"] = info.raw
         held = [(i, w) for i, w in enumerate(info.weights) if w.held]
+        if args.probe_errors:
+            report["errors"] = probe_errors(t, held)
         if args.torch:
             import torch
 
