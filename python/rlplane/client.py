@@ -25,11 +25,14 @@ __all__ = ["Trainer", "Engine", "Client", "Tensor"]
 Tensor = Any
 
 
-def _seconds(t: float) -> int | float:
-    """A timeout for the wire: an integer when whole, so a sidecar reading whole seconds accepts it."""
-    if t < 0:
-        raise InvalidError(f"a timeout must be 0 or more seconds, not {t}")
-    return int(t) if float(t).is_integer() else float(t)
+def _timeout_fields(t: float | None) -> dict[str, int | float]:
+    """``timeout_s`` for the wire: left out for None (wait as long as it takes); an integer when
+    whole, else fractional seconds."""
+    if t is None:
+        return {}
+    if not t >= 0 or t == float("inf"):
+        raise InvalidError(f"a timeout must be a finite number of seconds ≥ 0 (or None: no deadline), not {t}")
+    return {"timeout_s": int(t) if float(t).is_integer() else float(t)}
 
 
 def _is_torch(x: object) -> bool:
@@ -402,19 +405,20 @@ class Engine(Client):
         """The weights this engine holds now."""
         return _version_info(self._call("version"))
 
-    def wait_version(self, version: int, timeout: float = 60.0) -> VersionInfo:
-        """Waits until this engine holds ``version`` (or later).
+    def wait_version(self, version: int, timeout: float | None = 60.0) -> VersionInfo:
+        """Waits until this engine holds ``version`` (or later); ``timeout=None`` waits as long as
+        it takes (the job's own deadlines still apply).
 
         Raises:
             TimeoutError: not within ``timeout`` seconds.
             FailedError: a refit failed part-way (the weights are a mix and are never handed out).
         """
-        return _version_info(self._call("wait_version", version=int(version), timeout_s=_seconds(timeout)))
+        return _version_info(self._call("wait_version", version=int(version), **_timeout_fields(timeout)))
 
-    def acquire_staged(self, version: int, timeout: float = 60.0) -> int:
+    def acquire_staged(self, version: int, timeout: float | None = 60.0) -> int:
         """Waits until the staging buffers hold ``version`` (or later) and lends them to this
         process; returns the version they hold. The next refit waits for :meth:`release_staged`."""
-        reply = self._call("acquire_staged", version=int(version), timeout_s=_seconds(timeout))
+        reply = self._call("acquire_staged", version=int(version), **_timeout_fields(timeout))
         return int(reply.get("version", version))
 
     def release_staged(self) -> None:
@@ -422,7 +426,7 @@ class Engine(Client):
         self._call("release_staged")
 
     @contextlib.contextmanager
-    def staged(self, version: int, timeout: float = 60.0) -> Iterator[int]:
+    def staged(self, version: int, timeout: float | None = 60.0) -> Iterator[int]:
         """``with engine.staged(v) as held:`` acquires the staging buffers (version ``held`` ≥ v)
         and releases them when the block ends, also on an exception."""
         held = self.acquire_staged(version, timeout)
