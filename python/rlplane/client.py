@@ -153,14 +153,17 @@ class Client:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def _describe(self, name: str, tensor: Tensor, hint: str | None) -> dict[str, Any]:
+    def _describe(self, name: str, tensor: Tensor, hint: str | None, keep: list[Any], devices: set[int]) -> dict[str, Any]:
         what = f"tensor {name!r}"
         if _is_torch(tensor):
             from .torch import describe_tensor
 
             entry = describe_tensor(self, name, tensor)
             if entry["memory"]["kind"] == "cuda_ipc":
-                self._cuda_devices.add(int(tensor.device.index or 0))
+                # Keep the storage itself: even if the tensor is re-pointed, the registered bytes
+                # stay allocated (not reused) until the next register or close.
+                keep.append(tensor.untyped_storage())
+                devices.add(int(tensor.device.index or 0))
             return entry
         if not isinstance(tensor, np.ndarray):
             raise InvalidError(
@@ -195,15 +198,19 @@ class Client:
         name_map = dict(name_map or {})
         specs = self._info.weights_by_name
         entries = []
+        keep: list[Any] = []
+        devices: set[int] = set()
         with self._lock:
             for name, tensor in tensors.items():
                 spec = specs.get(name_map.get(name, name))
-                entries.append(self._describe(name, tensor, spec.dtype if spec else None))
+                entries.append(self._describe(name, tensor, spec.dtype if spec else None, keep, devices))
             fields: dict[str, Any] = {"mode": "direct", "tensors": entries}
             if name_map:
                 fields["name_map"] = name_map
             reply = self._call("register_weights", **fields)
             self._registered = dict(tensors)
+            self._keepalive = keep
+            self._cuda_devices = devices
         return RegisterResult(tensors=int(reply.get("tensors", len(entries))), bytes=int(reply.get("bytes", 0)), raw=reply)
 
     def _sync_cuda(self) -> None:

@@ -235,7 +235,6 @@ def describe_tensor(client: Client, name: str, tensor: torch.Tensor) -> dict[str
         memory = {"kind": "shm", "path": where[0], "offset": where[1], "nbytes": nbytes}
     elif tensor.device.type == "cuda":
         memory = cuda_ipc_descriptor(tensor, what)
-        client._keepalive.append(tensor)
     else:
         raise InvalidError(f"{what} is on {tensor.device}; rlplane registers CPU and CUDA tensors")
     return {"name": name, "dtype": dtype_name, "shape": [int(d) for d in tensor.shape], "memory": memory}
