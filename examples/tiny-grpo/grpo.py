@@ -10,6 +10,7 @@
 `reference.py` runs all three in one process; `train.py` and `engine.py` run them through rlplane.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,15 @@ class Config:
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
     probe_prompts: int = 8
+    # The bar a run of `steps` steps must clear: mean reward over its last 3 steps. A random
+    # policy scores about 0.05; see README.md for the measured curves behind this number.
+    pass_reward: float = 0.8
+
+
+def config_from_env() -> Config:
+    """The defaults, with the seed from $TINY_GRPO_SEED. The trainer and the engine both call
+    this, so they agree on the prompts, the sampling noise and the probe."""
+    return Config(seed=int(os.environ.get("TINY_GRPO_SEED", Config.seed)))
 
 
 def stream_seed(cfg: Config, step: int, stream: int) -> int:
@@ -91,6 +101,7 @@ def generate(model: torch.nn.Module, prompts: torch.Tensor, cfg: Config, step: i
     seq = prompts.repeat_interleave(g, dim=0).to(device)
     prompt_len = seq.shape[1]
     old_logprobs = torch.zeros(n, prompt_len, device=device)
+    response_mask = torch.zeros(n, prompt_len, dtype=torch.bool, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
     # The sampling noise comes from a CPU generator seeded by (seed, step), so a CPU and a GPU
     # engine draw the same noise and a run is reproducible.
@@ -104,17 +115,17 @@ def generate(model: torch.nn.Module, prompts: torch.Tensor, cfg: Config, step: i
         u = torch.rand(logits.shape, generator=gen).clamp_(min=1e-20).to(device)
         token = (logprobs - torch.log(-torch.log(u))).argmax(dim=-1)
         token_logprob = logprobs.gather(1, token[:, None]).squeeze(1)
-        # Finished sequences get PAD, which is no response token and has no log-prob.
+        # Finished sequences get PAD, which is no response token and has no log-prob. (A
+        # sequence still running may sample PAD too: that is a wrong answer token, in the mask.)
         token = torch.where(done, task.PAD, token)
         token_logprob = torch.where(done, 0.0, token_logprob)
         seq = torch.cat([seq, token[:, None]], dim=1)
         old_logprobs = torch.cat([old_logprobs, token_logprob[:, None]], dim=1)
+        response_mask = torch.cat([response_mask, ~done[:, None]], dim=1)
         done |= token == task.EOS
         if done.all():
             break
 
-    response_mask = torch.zeros_like(seq, dtype=torch.bool)
-    response_mask[:, prompt_len:] = seq[:, prompt_len:] != task.PAD
     seq, response_mask, old_logprobs = seq.cpu(), response_mask.cpu(), old_logprobs.cpu()
 
     rewards = []
@@ -213,3 +224,19 @@ def set_deterministic(threads: int = 1) -> None:
     deterministic kernels where PyTorch has a choice."""
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
+
+
+def summarize(cfg: Config, curve: list[dict], wall_s: float) -> dict:
+    """The run's result: its curve, and whether it cleared the bar."""
+    rewards = [row["reward"] for row in curve]
+    final = sum(rewards[-3:]) / max(1, len(rewards[-3:]))
+    return {
+        "seed": cfg.seed,
+        "steps": len(curve),
+        "first_reward": round(sum(rewards[:3]) / max(1, len(rewards[:3])), 4),
+        "final_reward": round(final, 4),
+        "pass_reward": cfg.pass_reward,
+        "passed": len(curve) >= cfg.steps and final >= cfg.pass_reward,
+        "wall_s": round(wall_s, 2),
+        "curve": curve,
+    }

@@ -50,7 +50,8 @@ def main() -> int:
         curve.append(metrics)
         print(json.dumps(metrics), flush=True)
 
-    result = {"seed": cfg.seed, "steps": cfg.steps, "wall_s": round(time.monotonic() - start, 2), "curve": curve}
+    result = grpo.summarize(cfg, curve, wall_s=time.monotonic() - start)
+    print(json.dumps({k: v for k, v in result.items() if k != "curve"}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
