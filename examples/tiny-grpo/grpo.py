@@ -223,6 +223,8 @@ def set_deterministic(threads: int = 1) -> None:
     on the thread count, and the trainer and the engine must compute the probe identically) and
     deterministic kernels where PyTorch has a choice."""
     torch.set_num_threads(threads)
+    # cuBLAS is deterministic only with a fixed workspace; this must be set before CUDA starts.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
 
 

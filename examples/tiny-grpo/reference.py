@@ -24,14 +24,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=grpo.Config.seed)
     ap.add_argument("--steps", type=int, default=grpo.Config.steps)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--out", help="write the result (curve, wall time) as JSON here")
     args = ap.parse_args()
 
     grpo.set_deterministic(args.threads)
     cfg = grpo.Config(seed=args.seed, steps=args.steps)
-    policy = grpo.make_policy(cfg)
+    policy = grpo.make_policy(cfg).to(args.device)
     optimizer = grpo.make_optimizer(policy, cfg)
-    engine = TinyLM()  # its own initial weights; the first refit replaces them
+    engine = TinyLM().to(args.device)  # its own initial weights; the first refit replaces them
     probe = grpo.probe_prompts(cfg)
 
     def refit() -> None:
