@@ -303,6 +303,29 @@ pub struct WorkerPlan {
     pub workload: WorkloadSpec,
     /// Metrics and traces.
     pub observability: ObservabilitySpec,
+    /// Which roles run the user's own processes (`trainer.template`, `generation.template`): their
+    /// ranks serve the sidecar's local API (docs/local-api.md) instead of synthetic work.
+    #[serde(default, skip_serializing_if = "UserProcesses::is_none")]
+    pub user_processes: UserProcesses,
+}
+
+/// Which roles' work the user's own processes do, through the sidecar's local API.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UserProcesses {
+    /// Trainer ranks: the user's trainer registers its weights, publishes them and gets batches.
+    #[serde(default)]
+    pub trainer: bool,
+    /// Generation ranks: the user's engine registers its weights and puts rollouts.
+    #[serde(default)]
+    pub generation: bool,
+}
+
+impl UserProcesses {
+    /// Neither role.
+    pub fn is_none(&self) -> bool {
+        !self.trainer && !self.generation
+    }
 }
 
 /// Errors reading a plan.

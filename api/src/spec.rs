@@ -86,6 +86,25 @@ pub struct RLJobSpec {
     pub network_policy: NetworkPolicySpec,
 }
 
+impl RLJobSpec {
+    /// The user templates whose containers run in a pod of `role`: the trainer's in trainer pods
+    /// (with the generation's too in Colocated mode), the generation's in generation pods.
+    pub fn user_templates(&self, role: crate::plan::PodRole) -> Vec<&UserTemplate> {
+        use crate::plan::PodRole;
+        match role {
+            PodRole::Trainer => {
+                let mut t: Vec<&UserTemplate> = self.trainer.template.iter().collect();
+                if self.mode == Mode::Colocated {
+                    t.extend(self.generation.template.iter());
+                }
+                t
+            }
+            PodRole::Generation => self.generation.template.iter().collect(),
+            PodRole::Storage => Vec::new(),
+        }
+    }
+}
+
 /// Placement of generation relative to the trainer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum Mode {

@@ -353,6 +353,10 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
         transfer_queue: spec.transfer_queue.clone(),
         workload: spec.workload.clone(),
         observability: spec.observability.clone(),
+        user_processes: crate::plan::UserProcesses {
+            trainer: spec.trainer.template.is_some(),
+            generation: spec.generation.template.is_some(),
+        },
     })
 }
 

@@ -30,8 +30,7 @@ use rlplane_api::topology::{
     ClusterAddressing, JobIdentity, POD_IPC_DIR, build_plan, headless_service_name, plan_config_map_name,
 };
 use rlplane_api::{
-    Device, GangScheduler, Mode, PodOverrides, RLJob, RLJobSpec, RunPolicy, UserTemplate, ValidationErrors,
-    validate_job,
+    Device, GangScheduler, PodOverrides, RLJob, RLJobSpec, RunPolicy, UserTemplate, ValidationErrors, validate_job,
 };
 
 /// Label keys.
@@ -440,18 +439,17 @@ fn pod(
     // Role-specific settings: generation pods in Split mode use the generation spec, storage
     // pods neither role's overrides.
     let (overrides, image, resources, templates): (Option<&PodOverrides>, _, _, Vec<&UserTemplate>) = match entry.role {
-        PodRole::Trainer => {
-            let mut t: Vec<&UserTemplate> = spec.trainer.template.iter().collect();
-            if spec.mode == Mode::Colocated {
-                t.extend(spec.generation.template.iter());
-            }
-            (Some(&spec.trainer.pod), spec.trainer.image.clone(), spec.trainer.resources.clone(), t)
-        }
+        PodRole::Trainer => (
+            Some(&spec.trainer.pod),
+            spec.trainer.image.clone(),
+            spec.trainer.resources.clone(),
+            spec.user_templates(entry.role),
+        ),
         PodRole::Generation => (
             Some(&spec.generation.pod),
             spec.generation.image.clone(),
             spec.generation.resources.clone(),
-            spec.generation.template.iter().collect(),
+            spec.user_templates(entry.role),
         ),
         PodRole::Storage => (None, spec.trainer.image.clone(), None, Vec::new()),
     };

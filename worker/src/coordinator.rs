@@ -318,8 +318,12 @@ async fn run_step(
     // 2. Claim and assign: metadata only.
     observer.progress(Progress::Phase { step, phase: "assign" });
     let t = Instant::now();
-    let required: Vec<String> =
-        [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD].map(String::from).to_vec();
+    // A user's engine puts its own fields, all at once per sample: every sample put is complete.
+    let required: Vec<String> = if plan.user_processes.generation {
+        Vec::new()
+    } else {
+        [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD].map(String::from).to_vec()
+    };
     let n = produced as usize;
     let tc = Instant::now();
     let claim = tracing::info_span!("tq.claim", samples = n)

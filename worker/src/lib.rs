@@ -15,6 +15,8 @@ pub mod pod;
 pub mod proc;
 pub mod refit;
 pub mod roles;
+pub mod shm;
+pub mod sidecar;
 pub mod status;
 pub mod supervisor;
 pub mod telemetry;

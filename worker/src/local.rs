@@ -309,6 +309,16 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
         m.set_children(crate::pod::children_metrics(&sup));
         ui.line(format!("metrics at http://127.0.0.1:{}/metrics", metrics_port.unwrap_or_default()));
     }
+    // The user's own trainer / engine containers, as the pods run them beside the worker.
+    let mut user_processes = std::collections::HashSet::new();
+    for u in user_commands(&job.spec, &plan, bases.as_deref())? {
+        let mut command = u.command;
+        // The user's processes end with the run, whatever happens to it.
+        command.kill_on_drop(true);
+        sup.spawn(&u.name, &u.role, command).with_context(|| format!("starting {} ({})", u.name, u.role))?;
+        user_processes.insert(u.name);
+    }
+    sup.watch();
 
     let outcome = {
         let observer = crate::metrics::MetricsObserver { inner: &ui, metrics: coordinator_metrics };
@@ -320,6 +330,9 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
                 e = sup.next_exit() => {
                     // A rank that exits before the coordinator is done has failed, whatever its code.
                     let Some(e) = e else { continue };
+                    // A user process may end once it has read the job's end (its rank notices
+                    // one that ends early: it no longer answers).
+                    if e.success() && user_processes.contains(&e.name) { continue; }
                     let mut msg = e.describe();
                     if e.success() { msg.push_str(" before the run finished"); }
                     break Err(Failure::Error(anyhow::anyhow!(msg)));
@@ -381,6 +394,77 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// A user container's command, ready to run as a child.
+struct UserCommand {
+    name: String,
+    role: String,
+    command: tokio::process::Command,
+}
+
+/// The containers of the job's user templates (`trainer.template`, `generation.template`), one
+/// process per container per pod, with the environment the operator gives them in a pod: the
+/// pod's socket directory (where the ranks' local API sockets are), its name, the container's own
+/// `env` values, and on GPUs the pod's GPUs as CUDA devices 0, 1, ….
+fn user_commands(
+    spec: &rlplane_api::RLJobSpec,
+    plan: &rlplane_api::WorkerPlan,
+    gpu_bases: Option<&[u32]>,
+) -> anyhow::Result<Vec<UserCommand>> {
+    let mut out = Vec::new();
+    for (index, pod) in plan.pods.iter().enumerate() {
+        for template in spec.user_templates(pod.role) {
+            let t = template.pod_template().map_err(|e| anyhow::anyhow!("a user template: {e}"))?;
+            for c in t.spec.map(|s| s.containers).unwrap_or_default() {
+                let argv: Vec<String> = c
+                    .command
+                    .clone()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .chain(c.args.clone().unwrap_or_default())
+                    .collect();
+                let Some((program, args)) = argv.split_first() else {
+                    anyhow::bail!(
+                        "container {} of the {} template has no command: rlplane local runs the container's command (it does not run images); set command (and args)",
+                        c.name,
+                        pod.role.short()
+                    );
+                };
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(args);
+                for e in c.env.unwrap_or_default() {
+                    match e.value {
+                        Some(v) => {
+                            cmd.env(&e.name, v);
+                        }
+                        None => tracing::warn!(
+                            container = %c.name,
+                            env = %e.name,
+                            "rlplane local only sets env values; valueFrom is left out"
+                        ),
+                    }
+                }
+                if let Some(dir) = &c.working_dir {
+                    cmd.current_dir(dir);
+                }
+                cmd.env(crate::pod::IPC_DIR_ENV, &pod.ipc_dir).env("RLPLANE_POD", &pod.name);
+                if let Some(bases) = gpu_bases
+                    && pod.gpus > 0
+                {
+                    let base = bases[index];
+                    let devices: Vec<String> = (base..base + pod.gpus).map(|g| g.to_string()).collect();
+                    cmd.env("CUDA_VISIBLE_DEVICES", devices.join(","));
+                }
+                out.push(UserCommand {
+                    name: format!("{}/{}", pod.name, c.name),
+                    role: format!("the user's {} container {} in pod {}", pod.role.short(), c.name, pod.name),
+                    command: cmd,
+                });
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The exit of the child named `name`, skipping others.

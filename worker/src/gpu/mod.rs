@@ -361,6 +361,17 @@ impl Gpu {
     }
 }
 
+/// The base and size of the device allocation holding `ptr` (own, or mapped from another process).
+pub fn allocation_range(ptr: CUdeviceptr) -> Result<(CUdeviceptr, usize), GpuError> {
+    let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
+    // SAFETY: out-parameters for a query about a device pointer.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(GpuError::msg("cuMemGetAddressRange", format!("{r:?}")));
+    }
+    Ok((base, size))
+}
+
 /// Finishes a digest from its word sum and its length, as [`crate::digest::Digest::finish`].
 pub fn finish_digest(word_sum: u64, len: u64) -> u64 {
     crate::digest::mix64(word_sum ^ len.wrapping_mul(0x9e37_79b9_7f4a_7c15))

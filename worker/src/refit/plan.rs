@@ -466,6 +466,24 @@ fn split_range(n: u64, t: u32, tp: u32) -> (u64, u64) {
     (start, end)
 }
 
+/// The shape of tensor-parallel rank `c.tp`'s shard of `t` (the pipeline stage aside), as
+/// [`RefitPlan::sharded`] slices it: `None` where the rank holds none of it.
+pub fn shard_shape(t: &TensorSpec, c: ShardCoords) -> Option<Vec<u64>> {
+    let mut shape = t.shape.clone();
+    match t.effective_split() {
+        TpSplit::Replicated => return (c.tp == 0).then_some(shape),
+        TpSplit::Columns if shape.len() >= 2 => {
+            let (c0, c1) = split_range(shape[1], c.tp, c.tp_size);
+            shape[1] = c1 - c0;
+        }
+        TpSplit::Rows | TpSplit::Columns => {
+            let (r0, r1) = split_range(shape[0], c.tp, c.tp_size);
+            shape[0] = r1 - r0;
+        }
+    }
+    Some(shape)
+}
+
 fn shard_slice(t: &TensorSpec, c: ShardCoords) -> Option<Slice> {
     let bytes = t.size_bytes();
     let elem = t.dtype.size_bytes();

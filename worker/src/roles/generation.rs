@@ -20,18 +20,23 @@ use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::metrics::RankMetrics;
 use crate::net::JobAuth;
 use crate::refit::RefitPlan;
+use crate::sidecar::{self, Link, RankInfo};
 use crate::tq::{ClientConfig, Column, PutOptions, TqClient};
 use crate::workload::{self, fields};
 
 struct Generation {
     plan: WorkerPlan,
     engine: u32,
-    tq: Option<TqClient>,
+    tq: Option<Arc<TqClient>>,
     /// Every sender's plan, in the group's sender order (for the digests).
     plans: Vec<Arc<RefitPlan>>,
     receiver: Receiver,
     weights: Weights,
     metrics: RankMetrics,
+    /// The user's engine process, when it does the generation (`spec.generation.template`).
+    user: Option<Link>,
+    /// How long the rank waits for the user's process (the coordinator's bound on a command).
+    timeout: std::time::Duration,
 }
 
 /// Runs generation rank `me`.
@@ -61,6 +66,24 @@ pub async fn run(
     let kind = crate::refit::transport_kind(plan, &group);
     let gpu = refit_side::open_gpu(plan, me, kind)?;
     let refit_listener = refit_side::bind(plan, me, kind, false).await?;
+    let tq = match coords.producer {
+        true => Some(Arc::new(TqClient::new(ClientConfig::from_plan(plan, me, auth)?, local_unit)?)),
+        false => None,
+    };
+    let user = if plan.user_processes.generation {
+        Some(Link::start(RankInfo {
+            plan: Arc::new(plan.clone()),
+            me,
+            role: sidecar::Role::Engine,
+            kind,
+            gpu: gpu.clone(),
+            expected: plan.manifest().iter().map(|t| Some(t.shape.clone())).collect(),
+            shm_dir: sidecar::shm_dir(),
+            tq: tq.clone(),
+        })?)
+    } else {
+        None
+    };
     announce_ready(metrics.addr());
 
     let (control, connected) = tokio::join!(
@@ -69,11 +92,17 @@ pub async fn run(
     );
     let mut control = control?;
     let (receiver, plans) = connected?;
-    let tq =
-        if coords.producer { Some(TqClient::new(ClientConfig::from_plan(plan, me, auth)?, local_unit)?) } else { None };
-    let weights = Weights::alloc(kind, gpu.as_ref(), plan.manifest().iter().map(|t| Some(t.size_bytes())))?;
-    let mut rank = Generation { plan: plan.clone(), engine: coords.engine, tq, plans, receiver, weights, metrics };
+    // The user's engine holds the weights when it does the generation.
+    let weights = if user.is_some() {
+        Weights::Host(crate::refit::HostTensors::default())
+    } else {
+        Weights::alloc(kind, gpu.as_ref(), plan.manifest().iter().map(|t| Some(t.size_bytes())))?
+    };
+    let timeout = std::time::Duration::from_secs(plan.refit.timeout_seconds as u64);
+    let mut rank =
+        Generation { plan: plan.clone(), engine: coords.engine, tq, plans, receiver, weights, metrics, user, timeout };
     let r = serve_commands(&mut control, &mut rank, &plan.job.token).await;
+    super::end_user_session(rank.user.as_ref(), &r).await;
     if let Some(s) = serving {
         s.abort();
     }
@@ -92,6 +121,22 @@ impl Rank for Generation {
 
 impl Generation {
     async fn generate(&mut self, step: u32) -> anyhow::Result<Report> {
+        if let Some(link) = &self.user {
+            // The user's engine generates: hand it the step, wait for its end_step.
+            let t = Instant::now();
+            link.start_step(step);
+            let put = link.wait_step_ended(step, tokio::time::Instant::now() + self.timeout).await?;
+            self.metrics.tq_put(put.bytes, put.seconds);
+            return Ok(Report {
+                busy_secs: secs(t),
+                bytes: put.bytes,
+                samples: put.samples,
+                tokens: put.tokens,
+                phases: [("generate".to_string(), (secs(t) - put.seconds).max(0.0)), ("put".to_string(), put.seconds)]
+                    .into(),
+                ..Default::default()
+            });
+        }
         let tq = self.tq.as_ref().context("only an engine's producer (engine rank 0) generates")?;
         let w = &self.plan.workload;
         let t = Instant::now();
@@ -138,6 +183,9 @@ impl Generation {
     }
 
     async fn refit(&mut self, version: u64, expected: u64) -> anyhow::Result<Report> {
+        if let Some(link) = self.user.clone() {
+            return self.refit_user(&link, version, expected).await;
+        }
         let t = Instant::now();
         let stats =
             self.receiver.receive(&mut self.weights).instrument(tracing::info_span!("refit.receive", version)).await?;
@@ -179,6 +227,64 @@ impl Generation {
             counters: [
                 ("direct_bytes".to_string(), stats.direct_bytes),
                 ("staged_bytes".to_string(), stats.staged_bytes),
+            ]
+            .into(),
+            ..Default::default()
+        })
+    }
+}
+
+impl Generation {
+    /// Refit into the user engine's registered tensors (or the staging buffers it loads from).
+    async fn refit_user(&mut self, link: &Link, version: u64, expected: u64) -> anyhow::Result<Report> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        link.wait_registered(deadline).await?;
+        if link.staged() {
+            link.wait_staging_free(deadline).await?;
+        }
+        let mut weights = link.weights().await;
+        let w = weights.as_mut().context("the engine process's weights are not registered")?;
+        let t = Instant::now();
+        let received = self.receiver.receive(w).instrument(tracing::info_span!("refit.receive", version)).await;
+        let busy = secs(t);
+        let stats = match received {
+            Ok(s) => s,
+            Err(e) => {
+                link.set_held(self.receiver.state());
+                return Err(e);
+            }
+        };
+        self.metrics.refit(&stats);
+        super::trainer::refit_event(&stats);
+        let t = Instant::now();
+        let mut digest = 0u64;
+        for (pos, p) in self.plans.iter().enumerate() {
+            digest = digest.wrapping_add(w.digest(p, false, |i| segment_id(pos, i))?);
+        }
+        let verify = secs(t);
+        drop(weights);
+        if digest != expected || stats.version != version {
+            link.set_held(crate::refit::WeightsState::Incomplete(version));
+            anyhow::bail!(
+                "weights of version {version} do not match the trainer's digest ({digest:#018x} received, {expected:#018x} sent)"
+            );
+        }
+        let held = self.receiver.state();
+        link.set_held(held);
+        if let Some(v) = held.current() {
+            self.metrics.weight_version(v);
+        }
+        Ok(Report {
+            busy_secs: busy + verify,
+            bytes: stats.bytes,
+            version: held.current(),
+            digest: Some(digest),
+            phases: [
+                ("transfer".to_string(), stats.transfer_secs),
+                ("unpack".to_string(), stats.unpack_secs),
+                ("wait".to_string(), stats.buffer_wait_secs),
+                ("total".to_string(), stats.total_secs),
+                ("verify".to_string(), verify),
             ]
             .into(),
             ..Default::default()

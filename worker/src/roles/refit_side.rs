@@ -168,12 +168,20 @@ pub enum Sender {
 
 impl Sender {
     /// Sends `version` of `weights`.
-    pub async fn send(&mut self, version: u64, weights: &Weights) -> anyhow::Result<RefitStats> {
+    pub async fn send<S: SourceMemory>(&mut self, version: u64, weights: &S) -> anyhow::Result<RefitStats> {
         Ok(match self {
             Sender::Tcp(s) => s.send(version, weights).await?,
             Sender::Nccl(s) => s.send(version, weights).await?,
             Sender::Ipc(s) => s.send(version, weights).await?,
         })
+    }
+
+    /// CUDA IPC: lends these handles for the allocations they map (memory registered by a user's
+    /// process) instead of exporting them. Other transports move such memory as it is.
+    pub fn lend_imported(&mut self, imported: &std::collections::HashMap<u64, crate::gpu::IpcHandle>) {
+        if let Sender::Ipc(s) = self {
+            s.transport_mut().set_imported(imported.clone());
+        }
     }
 
     /// The sender's plan.
@@ -198,7 +206,7 @@ pub enum Receiver {
 
 impl Receiver {
     /// Receives the next refit into `weights`.
-    pub async fn receive(&mut self, weights: &mut Weights) -> anyhow::Result<RefitStats> {
+    pub async fn receive<D: DestinationMemory>(&mut self, weights: &mut D) -> anyhow::Result<RefitStats> {
         Ok(match self {
             Receiver::Tcp(r) => r.receive(weights).await?,
             Receiver::Nccl(r) => r.receive(weights).await?,

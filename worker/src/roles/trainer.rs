@@ -23,7 +23,8 @@ use crate::digest::Digest;
 use crate::metrics::RankMetrics;
 use crate::net::JobAuth;
 use crate::refit::TransportKind as Kind;
-use crate::refit::{self, RefitPlan, ShardCoords};
+use crate::refit::{self, RefitPlan, SenderLayout, ShardCoords};
+use crate::sidecar::{self, Link, RankInfo};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
 use crate::workload::{fields, trainer_logprobs};
@@ -44,6 +45,10 @@ struct Trainer {
     /// Set on refit senders: the stream and this sender's position in its group.
     sender: Option<(Sender, usize)>,
     metrics: RankMetrics,
+    /// The user's trainer process, when it does the training (`spec.trainer.template`).
+    user: Option<Link>,
+    /// How long the rank waits for the user's process (the coordinator's bound on a command).
+    timeout: std::time::Duration,
 }
 
 /// Runs trainer rank `me`.
@@ -70,6 +75,42 @@ pub async fn run(
     let refit_listener = match &group {
         Some(_) => Some(refit_side::bind(plan, me, kind, true).await?),
         None => None,
+    };
+    // This rank's shard layout: the plan it sends with, or the shard it would send.
+    let shard_plan = match &group {
+        Some(_) => refit::sender_plan(plan, me)?,
+        None => RefitPlan::sharded(
+            &plan.manifest(),
+            refit::bucket_bytes(plan)?,
+            plan.refit.align_bytes,
+            ShardCoords { tp: coords.tp, tp_size: plan.layout.tp, pp: coords.pp, pp_size: plan.layout.pp },
+        )?,
+    };
+    let user = if plan.user_processes.trainer {
+        let manifest = plan.manifest();
+        let expected = manifest
+            .iter()
+            .zip(shard_plan.tensors())
+            .map(|(t, e)| {
+                e.source_bytes?;
+                match shard_plan.layout() {
+                    SenderLayout::Full => Some(t.shape.clone()),
+                    SenderLayout::Sharded(c) => refit::plan::shard_shape(t, c),
+                }
+            })
+            .collect();
+        Some(Link::start(RankInfo {
+            plan: std::sync::Arc::new(plan.clone()),
+            me,
+            role: sidecar::Role::Trainer,
+            kind,
+            gpu: gpu.clone(),
+            expected,
+            shm_dir: sidecar::shm_dir(),
+            tq: None,
+        })?)
+    } else {
+        None
     };
     let fanout_listener = match plan.process(me).ports.fanout {
         Some(port) => Some(crate::net::bind(&plan.bind_address(me, port), "the fan-out leader").await?),
@@ -103,26 +144,25 @@ pub async fn run(
     let fanout = fanout?;
     let sender = sender?;
 
-    let shard_plan = match &sender {
-        Some((s, _)) => s.plan().clone(),
-        None => RefitPlan::sharded(
-            &plan.manifest(),
-            refit::bucket_bytes(plan)?,
-            plan.refit.align_bytes,
-            ShardCoords { tp: coords.tp, tp_size: plan.layout.tp, pp: coords.pp, pp_size: plan.layout.pp },
-        )?,
+    // The user's process holds the weights when it does the training.
+    let shard = if user.is_some() {
+        Weights::Host(crate::refit::HostTensors::default())
+    } else {
+        Weights::alloc(kind, gpu.as_ref(), shard_plan.tensors().iter().map(|t| t.source_bytes))?
     };
-    let shard = Weights::alloc(kind, gpu.as_ref(), shard_plan.tensors().iter().map(|t| t.source_bytes))?;
     let tq = TqClient::new(ClientConfig::from_plan(plan, me, auth)?, None)?;
-    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics };
-    serve_commands(&mut control, &mut rank, &plan.job.token).await
+    let timeout = std::time::Duration::from_secs(plan.refit.timeout_seconds as u64);
+    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics, user, timeout };
+    let served = serve_commands(&mut control, &mut rank, &plan.job.token).await;
+    super::end_user_session(rank.user.as_ref(), &served).await;
+    served
 }
 
 impl Rank for Trainer {
     async fn execute(&mut self, command: Command) -> anyhow::Result<Report> {
         match command {
             Command::Train { step, batch } => self.train(step, batch).await,
-            Command::Update { step, seed } => self.update(step, seed),
+            Command::Update { step, seed } => self.update(step, seed).await,
             Command::Refit { version, .. } => self.refit(version).await,
             other => anyhow::bail!("a trainer rank has no part in {}", other.name()),
         }
@@ -144,7 +184,11 @@ fn batch_digest(batch: &Batch) -> u64 {
 
 impl Trainer {
     async fn train(&mut self, step: u32, meta: Option<BatchMeta>) -> anyhow::Result<Report> {
-        let wanted = [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD];
+        let synthetic = [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD];
+        // The user's trainer gets every field its engine put.
+        let schema: Vec<String> = meta.iter().flat_map(|m| m.schema.iter().map(|f| f.name.clone())).collect();
+        let all: Vec<&str> = schema.iter().map(String::as_str).collect();
+        let wanted: &[&str] = if self.user.is_some() { &all } else { &synthetic };
         let mut phases = std::collections::BTreeMap::new();
         let t0 = Instant::now();
         let (batch, fetched) = match (&mut self.fanout, meta) {
@@ -162,7 +206,7 @@ impl Trainer {
                 let t = Instant::now();
                 let b = self
                     .tq
-                    .get(&meta, &wanted)
+                    .get(&meta, wanted)
                     .instrument(tracing::info_span!("tq.get", samples = meta.samples.len()))
                     .await
                     .with_context(|| format!("fetching step {step}'s batch"))?;
@@ -183,6 +227,21 @@ impl Trainer {
         };
         let t = Instant::now();
         let digest = batch_digest(&batch);
+        if let Some(link) = &self.user {
+            // The user's trainer takes it from here (next_batch).
+            link.deliver_batch(step, &batch)
+                .with_context(|| format!("handing step {step}'s batch to the trainer process"))?;
+            phases.insert("deliver".to_string(), secs(t));
+            return Ok(Report {
+                busy_secs: secs(t0),
+                bytes: fetched,
+                samples: batch.meta.samples.len() as u64,
+                tokens: batch.meta.tokens(),
+                digest: Some(digest),
+                phases,
+                ..Default::default()
+            });
+        }
         let ids = batch.columns.iter().find(|c| c.name() == fields::INPUT_IDS).context("the batch lacks input_ids")?;
         let masks = batch
             .columns
@@ -216,8 +275,35 @@ impl Trainer {
         })
     }
 
-    fn update(&mut self, _step: u32, seed: u64) -> anyhow::Result<Report> {
+    async fn update(&mut self, step: u32, seed: u64) -> anyhow::Result<Report> {
         let t = Instant::now();
+        if let Some(link) = &self.user {
+            // The user's optimizer step is the update: wait for its publish.
+            let version = step as u64;
+            link.wait_published(version, tokio::time::Instant::now() + self.timeout).await?;
+            let waited = secs(t);
+            let t = Instant::now();
+            let weights = link.weights().await;
+            let w = weights.as_ref().context("the trainer process published without registered weights")?;
+            let digest = match &self.sender {
+                Some((_, pos)) => Some(w.digest(&self.shard_plan, true, |i| segment_id(*pos, i))?),
+                None => {
+                    // Nothing to send from this rank: its publish is done once recorded.
+                    link.refit_finished(
+                        version,
+                        Ok(serde_json::json!({"ok": true, "version": version, "refit_s": 0.0, "bytes": 0})),
+                    );
+                    None
+                }
+            };
+            return Ok(Report {
+                busy_secs: secs(t),
+                digest,
+                bytes: w.total_bytes(),
+                phases: [("wait_publish".to_string(), waited)].into(),
+                ..Default::default()
+            });
+        }
         self.shard.update(&self.shard_plan, seed)?;
         // Senders report the digest of what they will send; the receivers must match it.
         let digest = match &self.sender {
@@ -230,7 +316,27 @@ impl Trainer {
     async fn refit(&mut self, version: u64) -> anyhow::Result<Report> {
         let (sender, _) = self.sender.as_mut().context("this trainer rank sends no refit")?;
         let t = Instant::now();
-        let stats = sender.send(version, &self.shard).instrument(tracing::info_span!("refit.send", version)).await?;
+        let stats = match &self.user {
+            Some(link) => {
+                let weights = link.weights().await;
+                let sent = match weights.as_ref() {
+                    Some(w) => {
+                        sender.lend_imported(w.imported());
+                        sender.send(version, w).instrument(tracing::info_span!("refit.send", version)).await
+                    }
+                    None => Err(anyhow::anyhow!("the trainer process's weights are not registered")),
+                };
+                let outcome = match &sent {
+                    Ok(s) => Ok(
+                        serde_json::json!({"ok": true, "version": version, "refit_s": s.total_secs, "bytes": s.bytes}),
+                    ),
+                    Err(e) => Err(format!("{} sending version {version}: {e:#}", self.metrics_name())),
+                };
+                link.refit_finished(version, outcome);
+                sent?
+            }
+            None => sender.send(version, &self.shard).instrument(tracing::info_span!("refit.send", version)).await?,
+        };
         self.metrics.refit(&stats);
         refit_event(&stats);
         Ok(Report {
@@ -250,6 +356,13 @@ impl Trainer {
             .into(),
             ..Default::default()
         })
+    }
+}
+
+impl Trainer {
+    /// This rank's name, for errors the user's process reads.
+    fn metrics_name(&self) -> String {
+        format!("trainer rank {}", self.coords.rank)
     }
 }
 

@@ -109,22 +109,13 @@ fn msg(frames: Vec<Bytes>) -> ZmqMessage {
     ZmqMessage::try_from(frames).expect("at least one frame")
 }
 
-/// The base and size of the allocation holding `ptr`.
-fn allocation_of(ptr: CUdeviceptr) -> Result<(CUdeviceptr, usize), GpuError> {
-    let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
-    // SAFETY: out-parameters for a query about a device pointer.
-    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(GpuError::msg("cuMemGetAddressRange", format!("{r:?}")));
-    }
-    Ok((base, size))
-}
-
 struct RootState {
     /// Receivers by ZMQ identity.
     receivers: Vec<(Bytes, String)>,
     /// Exported allocations: base → key.
     exported: HashMap<CUdeviceptr, u32>,
+    /// The next key (keys are never reused: receivers cache their mappings by key).
+    next_key: u32,
     /// Acknowledgements per bucket.
     acks: HashMap<u32, usize>,
     dones: usize,
@@ -160,6 +151,9 @@ pub struct IpcTransport {
     copy_stream: Arc<CudaStream>,
     copy_busy: Duration,
     aborted: Option<String>,
+    /// Allocations mapped from another process (a user's registered tensors), by base, with the
+    /// handle to lend for them: such memory cannot be exported again.
+    imported: HashMap<CUdeviceptr, IpcHandle>,
 }
 
 /// Where a sender's IPC control socket lives: its colocated GPU socket, or a socket named after
@@ -200,7 +194,13 @@ impl IpcTransport {
             gpu,
             mode,
             channel,
-            Some(RootState { receivers: joined, exported: HashMap::new(), acks: HashMap::new(), dones: 0 }),
+            Some(RootState {
+                receivers: joined,
+                exported: HashMap::new(),
+                next_key: 0,
+                acks: HashMap::new(),
+                dones: 0,
+            }),
             None,
         )
     }
@@ -268,7 +268,20 @@ impl IpcTransport {
             copy_stream: s(gpu, "the pack stream")?,
             copy_busy: Duration::ZERO,
             aborted: None,
+            imported: HashMap::new(),
         })
+    }
+
+    /// Lends `imported`'s handles for the allocations they map (a user's tensors registered
+    /// through the sidecar) instead of exporting them. Replacing the table forgets every
+    /// allocation lent so far: after a re-registration the same addresses may hold other memory.
+    pub fn set_imported(&mut self, imported: HashMap<CUdeviceptr, IpcHandle>) {
+        if imported != self.imported {
+            self.imported = imported;
+            if let Some(root) = self.root.as_mut() {
+                root.exported.clear();
+            }
+        }
     }
 
     fn check_usable(&self) -> Result<(), TransportError> {
@@ -717,19 +730,24 @@ impl Transport for IpcTransport {
         let spans = coalesce(pieces, self.stage_below());
         let mut list = Vec::with_capacity(spans.len() * 20);
         for span in spans {
-            let (base, _) = allocation_of(span.addr).map_err(|e| gpu_err("finding a lent allocation", e))?;
+            let (base, _) =
+                crate::gpu::allocation_range(span.addr).map_err(|e| gpu_err("finding a lent allocation", e))?;
             let known = self.root.as_ref().expect("root").exported.get(&base).copied();
             let key = match known {
                 Some(k) => k,
                 None => {
-                    let handle = export(&self.gpu, base).map_err(|e| {
-                        gpu_err(
-                            "exporting the trainer's memory (allocate it with cuMemAlloc, or use the staged mode)",
-                            e,
-                        )
-                    })?;
+                    let handle = match self.imported.get(&base) {
+                        Some(h) => *h,
+                        None => export(&self.gpu, base).map_err(|e| {
+                            gpu_err(
+                                "exporting the trainer's memory (allocate it with cuMemAlloc, or use the staged mode)",
+                                e,
+                            )
+                        })?,
+                    };
                     let root = self.root.as_mut().expect("root");
-                    let key = root.exported.len() as u32;
+                    let key = root.next_key;
+                    root.next_key += 1;
                     root.exported.insert(base, key);
                     self.send_all(vec![
                         Bytes::from_static(b"N"),

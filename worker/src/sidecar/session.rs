@@ -1,0 +1,570 @@
+//! One connection to a rank's local API: the handshake, then requests answered in order.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+use tokio::io::AsyncReadExt;
+use tokio::net::UnixStream;
+use tokio::time::Instant;
+
+use super::protocol::{self, ApiError, ColumnDesc, ErrorKind, MemoryDesc, PROTOCOL_VERSION, Request, invalid, state};
+use super::weights::UserWeights;
+use super::{Link, RankInfo, Role, State, dtype_name, parse_dtype};
+use crate::refit::WeightsState;
+use crate::shm::SharedFile;
+use crate::tq::{Batch, Column, FieldSpec, PutOptions};
+
+/// Serves one connection until it closes.
+pub async fn serve(link: Link, stream: UnixStream) {
+    let (mut rd, mut wr) = stream.into_split();
+    let busy = link.update(|s| std::mem::replace(&mut s.connected, true));
+    if busy {
+        let e = ApiError::new(
+            ErrorKind::Busy,
+            format!(
+                "another process is connected to {}'s local API socket; one process per rank (check LOCAL_RANK / RLPLANE_SOCKET)",
+                link.info.plan.process(link.info.me).name
+            ),
+        );
+        let _ = protocol::write_message(&mut wr, &e.reply()).await;
+        return;
+    }
+    let mut session = Session { link: link.clone(), files: HashMap::new(), hello: false, clean: false };
+    let outcome = session.run(&mut rd, &mut wr).await;
+    let role = link.info.role.name();
+    link.update(|s| {
+        s.connected = false;
+        if session.clean || s.done {
+            return;
+        }
+        // A process that registered weights and went away took its memory with it; one that
+        // waited for a step is gone from the loop: either way the rank cannot go on.
+        if s.registered.is_some() || s.step.is_some_and(|(_, handed)| handed) || s.published.is_some() {
+            let why = match &outcome {
+                Err(e) => format!(": {e}"),
+                Ok(()) => String::new(),
+            };
+            s.user_error = Some(format!(
+                "the {role} process closed its connection to the sidecar before the job ended (did it exit or crash?){why}"
+            ));
+        }
+    });
+    if session.clean {
+        // `bye`: the registration goes with the process.
+        if let Ok(mut w) = link.shared.weights.try_lock() {
+            *w = None;
+            link.update(|s| s.registered = None);
+        }
+    }
+}
+
+struct Session {
+    link: Link,
+    /// Shared-memory files of puts, by path (the client reuses its arena).
+    files: HashMap<String, Arc<SharedFile>>,
+    hello: bool,
+    clean: bool,
+}
+
+/// What a request asks the session to wait for.
+enum Reply {
+    Now(Value),
+    Close(Value),
+}
+
+impl Session {
+    async fn run(
+        &mut self,
+        rd: &mut tokio::net::unix::OwnedReadHalf,
+        wr: &mut tokio::net::unix::OwnedWriteHalf,
+    ) -> anyhow::Result<()> {
+        loop {
+            let Some(msg) = protocol::read_message(rd).await? else { return Ok(()) };
+            let reply = match protocol::parse(&msg) {
+                Err(e) if e.kind == ErrorKind::Protocol => Reply::Close(e.reply()),
+                Err(e) => Reply::Now(e.reply()),
+                Ok(req) => {
+                    // A blocking request also watches the socket: a client that goes away while
+                    // it waits is noticed at once.
+                    let handled = self.handle(req);
+                    tokio::pin!(handled);
+                    let mut probe = [0u8; 1];
+                    tokio::select! {
+                        r = &mut handled => match r {
+                            Ok(r) => r,
+                            Err(e) if e.kind == ErrorKind::Protocol => Reply::Close(e.reply()),
+                            Err(e) => Reply::Now(e.reply()),
+                        },
+                        n = rd.read(&mut probe) => {
+                            return match n {
+                                Ok(0) | Err(_) => Ok(()),
+                                Ok(_) => {
+                                    let e = ApiError::new(ErrorKind::Protocol, "a request sent before the previous one was answered; one request at a time");
+                                    let _ = protocol::write_message(wr, &e.reply()).await;
+                                    Ok(())
+                                }
+                            };
+                        }
+                    }
+                }
+            };
+            match reply {
+                Reply::Now(v) => protocol::write_message(wr, &v).await?,
+                Reply::Close(v) => {
+                    protocol::write_message(wr, &v).await?;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn role(&self) -> Role {
+        self.link.info.role
+    }
+
+    fn need(&self, role: Role, op: &str) -> Result<(), ApiError> {
+        if self.role() != role {
+            return Err(state(format!(
+                "{op} is a {} call; this is a {} rank's socket",
+                role.name(),
+                self.role().name()
+            )));
+        }
+        Ok(())
+    }
+
+    async fn handle(&mut self, req: Request) -> Result<Reply, ApiError> {
+        if !self.hello && !matches!(req, Request::Hello { .. }) {
+            return Err(ApiError::new(ErrorKind::Protocol, "the first request must be hello"));
+        }
+        Ok(match req {
+            Request::Hello { protocol: p, role, .. } => {
+                if p != PROTOCOL_VERSION {
+                    return Err(ApiError::new(
+                        ErrorKind::Protocol,
+                        format!(
+                            "protocol {p} is not spoken here; this sidecar speaks {PROTOCOL_VERSION}: upgrade the client or the worker image so they match"
+                        ),
+                    ));
+                }
+                if role != self.role().name() {
+                    return Err(state(format!(
+                        "hello as {role} on a {} rank's socket ({}); connect to the {role}'s socket",
+                        self.role().name(),
+                        super::socket_path(&self.link.info.plan, self.link.info.me).display()
+                    )));
+                }
+                self.hello = true;
+                Reply::Now(self.link.info.hello())
+            }
+            Request::RegisterWeights { mode, tensors, name_map } => {
+                let staged = match mode.as_deref() {
+                    None | Some("direct") => false,
+                    Some("staged") => true,
+                    Some(m) => return Err(invalid(format!("mode: {m:?}; use \"direct\" or \"staged\""))),
+                };
+                if staged && self.role() == Role::Trainer {
+                    return Err(invalid("mode: \"staged\" is for engines; a trainer registers its tensors directly"));
+                }
+                if staged && !tensors.is_empty() {
+                    return Err(invalid("mode \"staged\" takes no tensors: the sidecar allocates the buffers"));
+                }
+                let Ok(mut slot) = self.link.shared.weights.try_lock() else {
+                    return Err(state("a refit is under way; register again once publish / wait_version returns"));
+                };
+                if self.link.peek(|s| s.lent.is_some()) {
+                    return Err(state("the staged weights are lent (acquire_staged); release_staged first"));
+                }
+                let info = &self.link.info;
+                let manifest = info.plan.manifest();
+                let (w, staging) = if staged {
+                    let path = info.shm_dir.join(format!("{}-staging", info.file_prefix()));
+                    let (w, d) = UserWeights::staging(&manifest, info.memory_kind(), info.gpu.as_ref(), &path)
+                        .map_err(|e| ApiError::new(ErrorKind::Failed, format!("allocating staging buffers: {e:#}")))?;
+                    (w, Some(d))
+                } else {
+                    let writable = self.role() == Role::Engine;
+                    let w = UserWeights::register(
+                        &manifest,
+                        &info.expected,
+                        &tensors,
+                        &name_map,
+                        info.memory_kind(),
+                        info.gpu.as_ref(),
+                        writable,
+                    )?;
+                    (w, None)
+                };
+                let mut reply = json!({"ok": true, "tensors": w.tensors(), "bytes": w.total_bytes()});
+                if let Some(d) = staging {
+                    reply["staging"] = Value::Array(d);
+                }
+                *slot = Some(w);
+                drop(slot);
+                self.link.update(|s| {
+                    let generation = s.registered.map_or(1, |(g, _)| g + 1);
+                    s.registered = Some((generation, staged));
+                    // Staged buffers hold nothing yet.
+                    if staged {
+                        s.held = WeightsState::Empty;
+                    }
+                });
+                Reply::Now(reply)
+            }
+            Request::Publish { version } => {
+                self.need(Role::Trainer, "publish")?;
+                self.link.update(|s| -> Result<(), ApiError> {
+                    if s.registered.is_none() {
+                        return Err(state("publish before register_weights: register the tensors to send first"));
+                    }
+                    if version != s.next_version {
+                        return Err(state(format!(
+                            "publish({version}) but the job is at version {}: publish 0 for the initial weights, then each step's number after training on its batch",
+                            s.next_version
+                        )));
+                    }
+                    s.published = Some(version);
+                    Ok(())
+                })?;
+                let out = self
+                    .wait_session(None, |s| match &s.refit {
+                        Some((v, r)) if *v == version => Some(r.clone()),
+                        _ => None,
+                    })
+                    .await?;
+                match out {
+                    Ok(v) => Reply::Now(v),
+                    Err(e) => return Err(ApiError::new(ErrorKind::Failed, e)),
+                }
+            }
+            Request::NextBatch {} => {
+                self.need(Role::Trainer, "next_batch")?;
+                let b = self.wait_session(None, |s| s.batch.take().map(Some).or(s.done.then_some(None))).await?;
+                match b {
+                    Some(v) => Reply::Now(v),
+                    None => Reply::Now(json!({"ok": true, "done": true})),
+                }
+            }
+            Request::NextStep {} => {
+                self.need(Role::Engine, "next_step")?;
+                if !self.link.info.producer() {
+                    return Err(state(
+                        "next_step on an engine rank that is not its engine's producer: only tensor-parallel rank 0 of an engine generates and puts rollouts; the others only take weights (wait_version)",
+                    ));
+                }
+                let r = self
+                    .wait_session(None, |s| match s.step {
+                        Some((step, false)) => {
+                            s.step = Some((step, true));
+                            Some(Some((step, s.held.current())))
+                        }
+                        _ => s.done.then_some(None),
+                    })
+                    .await?;
+                match r {
+                    Some((step, version)) => Reply::Now(json!({"ok": true, "step": step, "version": version})),
+                    None => Reply::Now(json!({"ok": true, "done": true})),
+                }
+            }
+            Request::Put { step, keys, tokens, tags, columns } => {
+                self.need(Role::Engine, "put")?;
+                let current = self.link.peek(|s| s.step);
+                if current != Some((step, true)) {
+                    return Err(state(format!(
+                        "put for step {step}, but {}",
+                        match current {
+                            Some((s, true)) => format!("the step under way is {s}"),
+                            _ => "no step is under way: call next_step first".into(),
+                        }
+                    )));
+                }
+                let r = self.put(step, keys, tokens, tags, &columns).await?;
+                Reply::Now(r)
+            }
+            Request::EndStep { step } => {
+                self.need(Role::Engine, "end_step")?;
+                self.link.update(|s| match s.step {
+                    Some((st, true)) if st == step => {
+                        s.ended = Some(step);
+                        Ok(())
+                    }
+                    _ => Err(state(format!("end_step({step}) but step {step} is not under way"))),
+                })?;
+                Reply::Now(json!({"ok": true}))
+            }
+            Request::Version {} => {
+                self.need(Role::Engine, "version")?;
+                let held = self.link.peek(|s| s.held);
+                Reply::Now(held_reply(held))
+            }
+            Request::WaitVersion { version, timeout_s } => {
+                self.need(Role::Engine, "wait_version")?;
+                let deadline = deadline_of(timeout_s)?;
+                let held = self.wait_held(version, deadline).await?;
+                Reply::Now(held_reply(held))
+            }
+            Request::AcquireStaged { version, timeout_s } => {
+                self.need(Role::Engine, "acquire_staged")?;
+                if !self.link.staged() {
+                    return Err(state(
+                        "acquire_staged without a staged registration: register_weights with mode \"staged\" first",
+                    ));
+                }
+                let deadline = deadline_of(timeout_s)?;
+                let held = self.wait_held(version, deadline).await?;
+                let v = held.current().unwrap_or(version);
+                self.link.update(|s| s.lent = Some(v));
+                Reply::Now(json!({"ok": true, "version": v}))
+            }
+            Request::ReleaseStaged {} => {
+                self.need(Role::Engine, "release_staged")?;
+                self.link.update(|s| s.lent = None);
+                Reply::Now(json!({"ok": true}))
+            }
+            Request::Fail { message } => {
+                let role = self.role().name();
+                self.link.update(|s| s.user_error = Some(format!("the {role} process reported a failure: {message}")));
+                Reply::Now(json!({"ok": true}))
+            }
+            Request::Bye {} => {
+                self.clean = true;
+                Reply::Close(json!({"ok": true}))
+            }
+        })
+    }
+
+    /// Waits (session side) until `f` answers; answers `failed` once the rank failed, and
+    /// `timeout` at `deadline`.
+    async fn wait_session<T>(
+        &self,
+        deadline: Option<Instant>,
+        mut f: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T, ApiError> {
+        let r = self
+            .link
+            .wait(deadline, |s| {
+                if let Some(e) = &s.rank_error {
+                    return Some(Err(ApiError::new(ErrorKind::Failed, format!("the rank failed: {e}"))));
+                }
+                f(s).map(Ok)
+            })
+            .await;
+        match r {
+            Ok(v) => v,
+            Err(_) => Err(ApiError::new(ErrorKind::Timeout, "timed out; the job may be slower than the timeout given")),
+        }
+    }
+
+    async fn wait_held(&self, version: u64, deadline: Option<Instant>) -> Result<WeightsState, ApiError> {
+        let r = self
+            .wait_session(deadline, |s| match s.held {
+                WeightsState::Complete(v) if v >= version => Some(Ok(s.held)),
+                WeightsState::Incomplete(v) => Some(Err(ApiError::new(
+                    ErrorKind::Failed,
+                    format!("the refit to version {v} did not finish: the weights are a mix of versions; the job restarts its gang"),
+                ))),
+                _ if s.done => Some(Err(ApiError::new(ErrorKind::Shutdown, "the job ended"))),
+                _ => None,
+            })
+            .await;
+        match r {
+            Err(e) if e.kind == ErrorKind::Timeout => Err(ApiError::new(
+                ErrorKind::Timeout,
+                format!("version {version} did not arrive in time (holding {})", self.link.peek(|s| s.held)),
+            )),
+            Err(e) => Err(e),
+            Ok(r) => r,
+        }
+    }
+
+    fn file(&mut self, path: &str) -> Result<Arc<SharedFile>, ApiError> {
+        if let Some(f) = self.files.get(path) {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(SharedFile::open(Path::new(path), false).map_err(|e| invalid(e.to_string()))?);
+        // A file that grew since it was mapped is mapped again below when a range misses.
+        self.files.insert(path.to_string(), f.clone());
+        Ok(f)
+    }
+
+    fn read(&mut self, field: &str, m: &MemoryDesc) -> Result<Vec<u8>, ApiError> {
+        let MemoryDesc::Shm { path, offset, nbytes } = m else {
+            return Err(invalid(format!("{field}: rollouts are read from shared memory (kind \"shm\")")));
+        };
+        let mut f = self.file(path)?;
+        if offset.saturating_add(*nbytes) > f.len() as u64 {
+            // The client may have grown or replaced the file: map it again.
+            self.files.remove(path);
+            f = self.file(path)?;
+        }
+        f.read(*offset, *nbytes).map_err(|e| invalid(format!("{field}: {e}")))
+    }
+
+    async fn put(
+        &mut self,
+        step: u32,
+        keys: Option<Vec<String>>,
+        tokens: Option<Vec<u32>>,
+        tags: Option<Vec<Vec<(String, String)>>>,
+        columns: &[ColumnDesc],
+    ) -> Result<Value, ApiError> {
+        let t = std::time::Instant::now();
+        let Some(first) = columns.first() else { return Err(invalid("columns: a put needs at least one column")) };
+        let n = first.len;
+        let mut cols = Vec::with_capacity(columns.len());
+        for c in columns {
+            let field = format!("columns[{}]", c.name);
+            if c.len != n {
+                return Err(invalid(format!(
+                    "{field}.len is {} but {} has {n} samples; every column has one entry per sample",
+                    c.len, first.name
+                )));
+            }
+            let dtype = parse_dtype(&c.dtype).ok_or_else(|| {
+                invalid(format!("{field}.dtype: {:?} is not a transfer-queue dtype (i64, f32, bf16, …)", c.dtype))
+            })?;
+            let values = self.read(&format!("{field}.values"), &c.values)?;
+            let offsets = match (&c.offsets, c.ragged) {
+                (Some(m), true) => {
+                    let b = self.read(&format!("{field}.offsets"), m)?;
+                    if b.len() % 8 != 0 {
+                        return Err(invalid(format!(
+                            "{field}.offsets: {} bytes is not a whole number of u64",
+                            b.len()
+                        )));
+                    }
+                    b.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()
+                }
+                (None, true) => return Err(invalid(format!("{field}: a ragged column needs offsets"))),
+                (Some(_), false) => return Err(invalid(format!("{field}: a fixed column has no offsets"))),
+                (None, false) => Vec::new(),
+            };
+            let spec = FieldSpec { name: c.name.clone(), dtype, ragged: c.ragged, inner: c.inner.clone() };
+            cols.push(Column::from_parts(spec, n, Bytes::from(values), offsets).map_err(|e| invalid(e.to_string()))?);
+        }
+        let info = &self.link.info;
+        let engine = match info.plan.process(info.me).role {
+            rlplane_api::plan::ProcessRole::Generation(c) => c.engine,
+            _ => 0,
+        };
+        let base = self.link.peek(|s| s.put.samples);
+        let keys = match keys {
+            Some(k) if k.len() != n => return Err(invalid(format!("keys: {} keys for {n} samples", k.len()))),
+            Some(k) => k,
+            None => (0..n).map(|i| format!("s{step}-e{engine}-{}", base + i as u64)).collect(),
+        };
+        if let Some(t) = &tokens
+            && t.len() != n
+        {
+            return Err(invalid(format!("tokens: {} counts for {n} samples", t.len())));
+        }
+        let tags = tags.unwrap_or_default();
+        if !tags.is_empty() && tags.len() != n {
+            return Err(invalid(format!("tags: {} tag lists for {n} samples", tags.len())));
+        }
+        let token_total: u64 = match &tokens {
+            Some(t) => t.iter().map(|&x| x as u64).sum(),
+            None => cols.iter().filter(|c| c.spec().ragged).map(|c| c.offsets()[n]).max().unwrap_or(n as u64),
+        };
+        let tq = info.tq.as_ref().ok_or_else(|| state("this rank hosts no transfer-queue client"))?;
+        let report = tq
+            .put_with(&format!("step-{step}"), &keys, &cols, &PutOptions { tokens, tags })
+            .await
+            .map_err(|e| ApiError::new(ErrorKind::Failed, format!("putting into the transfer queue: {e}")))?;
+        let seconds = t.elapsed().as_secs_f64();
+        self.link.update(|s| {
+            s.put.samples += n as u64;
+            s.put.bytes += report.bytes;
+            s.put.tokens += token_total;
+            s.put.seconds += seconds;
+        });
+        Ok(json!({"ok": true, "samples": n, "bytes": report.bytes}))
+    }
+}
+
+fn deadline_of(timeout_s: Option<f64>) -> Result<Option<Instant>, ApiError> {
+    match timeout_s {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Instant::now() + Duration::from_secs_f64(t.min(1e9)))),
+        Some(t) => {
+            Err(invalid(format!("timeout_s: {t}; give seconds ≥ 0, or leave it out to wait as long as it takes")))
+        }
+    }
+}
+
+fn held_reply(held: WeightsState) -> Value {
+    let (version, st) = match held {
+        WeightsState::Empty => (None, "empty"),
+        WeightsState::Complete(v) => (Some(v), "ready"),
+        WeightsState::Incomplete(v) => (Some(v), "incomplete"),
+    };
+    json!({"ok": true, "version": version, "state": st})
+}
+
+/// Writes `batch` into a new shared-memory file of the rank (the previous step's file is removed:
+/// the user's mappings of it stay valid until it unmaps them) and returns the `next_batch` reply.
+pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<Value> {
+    let prefix = info.shm_dir.join(format!("{}-batch", info.file_prefix()));
+    let path =
+        prefix.with_file_name(format!("{}-{step}", prefix.file_name().and_then(|n| n.to_str()).unwrap_or("batch")));
+    if step > 0 {
+        let old = prefix.with_file_name(format!(
+            "{}-{}",
+            prefix.file_name().and_then(|n| n.to_str()).unwrap_or("batch"),
+            step - 1
+        ));
+        let _ = std::fs::remove_file(old);
+    }
+    let _ = std::fs::remove_file(&path);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(&path)
+        .map_err(|e| anyhow::anyhow!("creating the batch file {}: {e}", path.display()))?;
+    let mut at = 0u64;
+    let mut out = std::io::BufWriter::new(&mut file);
+    let mut write = |bytes: &[u8]| -> std::io::Result<Value> {
+        let pad = at.next_multiple_of(64) - at;
+        out.write_all(&vec![0u8; pad as usize])?;
+        at += pad;
+        let d = json!({"kind": "shm", "path": path.display().to_string(), "offset": at, "nbytes": bytes.len()});
+        out.write_all(bytes)?;
+        at += bytes.len() as u64;
+        Ok(d)
+    };
+    let mut columns = Vec::with_capacity(batch.columns.len());
+    for c in &batch.columns {
+        let values = write(c.values())?;
+        let offsets = if c.spec().ragged {
+            let b: Vec<u8> = c.offsets().iter().flat_map(|o| o.to_le_bytes()).collect();
+            Some(write(&b)?)
+        } else {
+            None
+        };
+        let mut v = json!({"name": c.name(), "dtype": dtype_name(c.spec().dtype), "ragged": c.spec().ragged,
+            "inner": c.spec().inner, "len": c.len(), "values": values});
+        if let Some(o) = offsets {
+            v["offsets"] = o;
+        }
+        columns.push(v);
+    }
+    out.flush()?;
+    drop(out);
+    let samples = &batch.meta.samples;
+    Ok(json!({
+        "ok": true,
+        "step": step,
+        "samples": samples.len(),
+        "keys": samples.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(),
+        "tokens": samples.iter().map(|s| s.tokens).collect::<Vec<_>>(),
+        "tags": samples.iter().map(|s| s.tags.iter().map(|(k, v)| [k.as_str(), v.as_str()]).collect::<Vec<_>>()).collect::<Vec<_>>(),
+        "columns": columns,
+    }))
+}
