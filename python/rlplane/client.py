@@ -318,6 +318,9 @@ class Trainer(Client):
         call of ``next_batch``.
         """
         reply = self._call("next_batch")
+        # Each step's batch is a new file (the sidecar removes the last one): forget the old
+        # mappings so their memory goes once the caller drops the old arrays.
+        self._mappings.clear()
         if reply.get("done"):
             return None
         return decode_batch(reply, self._mappings)

@@ -33,14 +33,20 @@ def _opt_int(v: Any) -> int | None:
 
 @dataclass(frozen=True)
 class RankInfo:
-    """This rank, as the sidecar knows it (``rank`` in the hello reply)."""
+    """This rank, as the sidecar knows it (``rank`` in the hello reply).
+
+    ``dp``, ``tp``, ``pp`` (a trainer rank's data-, tensor- and pipeline-parallel coordinates) are
+    None on an engine rank; ``engine`` and ``engine_rank`` (its engine and its tensor-parallel rank
+    in it) are None on a trainer rank. ``local`` is the rank's index among its pod's ranks of the
+    same role (what names its socket).
+    """
 
     name: str
     role: str
     rank: int
-    dp: int
-    tp: int
-    pp: int
+    dp: int | None
+    tp: int | None
+    pp: int | None
     leader: bool
     engine: int | None
     engine_rank: int | None
@@ -55,9 +61,9 @@ class RankInfo:
             name=str(_need(d, "name", w)),
             role=str(_need(d, "role", w)),
             rank=int(_need(d, "rank", w)),
-            dp=int(d.get("dp", 0)),
-            tp=int(d.get("tp", 0)),
-            pp=int(d.get("pp", 0)),
+            dp=_opt_int(d.get("dp")),
+            tp=_opt_int(d.get("tp")),
+            pp=_opt_int(d.get("pp")),
             leader=bool(d.get("leader", False)),
             engine=_opt_int(d.get("engine")),
             engine_rank=_opt_int(d.get("engine_rank")),

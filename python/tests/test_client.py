@@ -20,7 +20,8 @@ from .recorder import offline
 
 def engine_hello() -> dict:
     h = copy.deepcopy(HELLO)
-    h["rank"].update(name="gen-0-0", role="engine", engine=0, engine_rank=0, producer=True, leader=False)
+    h["rank"].update(name="gen-0-0", role="engine", dp=None, tp=None, pp=None, engine=0, engine_rank=0, producer=True,
+                     leader=False)
     for w in h["weights"]:
         w["shard_shape"] = w["shape"]
     return h
@@ -37,6 +38,8 @@ def test_info_parses_the_documented_hello() -> None:
         info.weight("nope")
     gpu = rlplane.Info.from_wire({**HELLO, "device": "gpu", "gpu": {"ordinal": 3}})
     assert gpu.gpu == 3
+    engine = rlplane.Info.from_wire(engine_hello())  # an engine rank has no dp/tp/pp
+    assert engine.rank.dp is None and engine.rank.engine == 0 and engine.rank.producer
 
 
 def test_info_missing_field_is_a_protocol_error() -> None:

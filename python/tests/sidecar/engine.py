@@ -1,0 +1,83 @@
+"""A user's engine process for the integration tests: registers (direct: arrays refit writes in
+place; staged: the sidecar's buffers), checks each step's weights hold the trainer's pattern for
+the version, puts rollouts, and writes what it saw to <report dir>/engine-<rank>.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+import rlplane
+from rlplane.dtypes import bf16_to_f32
+
+sys.path.insert(0, os.path.dirname(__file__))
+from trainer import pattern  # noqa: E402
+
+
+def values(arr: np.ndarray, dtype: str) -> np.ndarray:
+    return bf16_to_f32(arr) if dtype == "bf16" else np.asarray(arr, dtype=np.float64)
+
+
+def check(views: dict, weights: list, version: int) -> list[str]:
+    """Names of tensors whose values are not the trainer's pattern for `version`."""
+    bad = []
+    for i, w in enumerate(weights):
+        v = values(views[w.name], w.dtype)
+        if not np.all(v == pattern(version, i)):
+            bad.append(f"{w.name}: {np.unique(v)[:4].tolist()} != {pattern(version, i)}")
+    return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--report", required=True)
+    ap.add_argument("--mode", choices=["direct", "staged"], default="direct")
+    args = ap.parse_args()
+    report: dict = {"steps": [], "mode": args.mode}
+    with rlplane.Engine(timeout=60) as e:
+        info = e.info
+        report["rank"] = info.rank.name
+        report["hello"] = info.raw
+        weights = list(info.weights)
+        if args.mode == "staged":
+            views = e.register_staged()
+        else:
+            views = {w.name: e.alloc(w.name) for w in weights}
+            e.register(views)
+        report["version_before"] = e.version().version
+        if not info.rank.producer:
+            report["note"] = "not a producer: takes weights only"
+            return 0
+        rng = np.random.default_rng(info.rank.rank)
+        for step in e.steps():
+            entry: dict = {"step": step.step, "version": step.version}
+            if args.mode == "staged":
+                with e.staged(step.version or 0, timeout=30) as held:
+                    entry["held"] = held
+                    entry["bad"] = check(views, weights, held)
+            else:
+                vi = e.wait_version(step.version or 0, timeout=30)
+                entry["held"] = vi.version
+                entry["bad"] = check(views, weights, vi.version or 0)
+            n = 3
+            lengths = rng.integers(1, 20, size=n)
+            ids = [np.arange(k, dtype=np.int64) + 1000 * step.step for k in lengths]
+            res = e.put(step, {
+                "input_ids": ids,
+                "logprobs": [np.full(k, -0.5, np.float32) for k in lengths],
+                "reward": np.array([float(step.step)] * n, np.float32),
+            }, tags=[{"engine": str(info.rank.engine)}] * n)
+            entry["put"] = {"samples": res.samples, "bytes": res.bytes, "lengths": lengths.tolist()}
+            report["steps"].append(entry)
+        report["done"] = True
+    with open(os.path.join(args.report, f"engine-{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

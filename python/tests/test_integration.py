@@ -1,0 +1,183 @@
+"""The client against the REAL sidecar: `rlplane local` runs a CPU job whose trainer and engine
+templates' commands are the scripts in tests/sidecar/, which use this package.
+
+Needs the rlplane binary: $RLPLANE_BIN, or target/debug/rlplane (or release) of this checkout
+(`cargo build -p rlplane`). Without it every test here skips, saying so on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.sidecar
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "sidecar"
+REPO = HERE.parent.parent
+
+
+@pytest.fixture(scope="session")
+def rlplane_bin() -> str:
+    candidates = [os.environ.get("RLPLANE_BIN")] if os.environ.get("RLPLANE_BIN") else [
+        str(REPO / "target" / "debug" / "rlplane"),
+        str(REPO / "target" / "release" / "rlplane"),
+    ]
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    msg = f"SKIPPED sidecar integration tests: no rlplane binary (set RLPLANE_BIN or run `cargo build -p rlplane`; looked at {candidates})"
+    print(msg, file=sys.stderr)
+    pytest.skip(msg)
+
+
+def manifest(tmp: Path, trainer_cmd: list[str], engine_cmd: list[str], *, steps: int = 3, data: int = 2,
+             engines: int = 2, name: str = "py-client") -> Path:
+    def container(cname: str, cmd: list[str]) -> str:
+        return (f"      spec:\n        containers:\n        - name: {cname}\n          image: unused-locally\n"
+                f"          command: {json.dumps(cmd)}\n")
+
+    text = f"""apiVersion: rlplane.dev/v1alpha1
+kind: RLJob
+metadata:
+  name: {name}
+spec:
+  mode: Split
+  device: Cpu
+  model:
+    preset: tiny
+  trainer:
+    nodes: 1
+    gpusPerNode: {data}
+    parallelism: {{tensor: 1, pipeline: 1, context: 1, data: {data}}}
+    template:
+{container("train", trainer_cmd)}  generation:
+    engines: {engines}
+    tensorParallel: 1
+    template:
+{container("generate", engine_cmd)}  refit:
+    transport: Tcp
+    bufferBytes: 262144
+    numBuffers: 2
+    timeoutSeconds: 30
+  transferQueue:
+    placement: ProducerLocal
+    capacityBytes: 67108864
+  workload:
+    steps: {steps}
+    promptsPerStep: 4
+    samplesPerPrompt: 2
+    promptTokens: 16
+    responseTokens: {{min: 8, max: 32}}
+    seed: 7
+"""
+    p = tmp / "rljob.yaml"
+    p.write_text(text)
+    return p
+
+
+def run_local(rlplane_bin: str, path: Path, tmp: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("RLPLANE_SOCKET", None)
+    env["RLPLANE_SHM_DIR"] = str(tmp / "shm")
+    (tmp / "shm").mkdir(exist_ok=True)
+    p = subprocess.run([rlplane_bin, "local", str(path), "--json", str(tmp / "summary.json")], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    (tmp / "stdout.txt").write_text(p.stdout)
+    (tmp / "stderr.txt").write_text(p.stderr)
+    return p
+
+
+def reports(d: Path, prefix: str) -> list[dict[str, Any]]:
+    return [json.loads(f.read_text()) for f in sorted(d.glob(f"{prefix}-*.json"))]
+
+
+def py(script: str, *args: str) -> list[str]:
+    return [sys.executable, str(SCRIPTS / "launch.py"), "1", str(SCRIPTS / script), *args]
+
+
+def trainer_cmd(ranks: int, *args: str) -> list[str]:
+    return [sys.executable, str(SCRIPTS / "launch.py"), str(ranks), str(SCRIPTS / "trainer.py"), *args]
+
+
+def check_job(tmp: Path, out: Path, steps: int, ranks: int, engines: int) -> None:
+    trainers, gens = reports(out, "trainer"), reports(out, "engine")
+    assert len(trainers) == ranks and len(gens) == engines, (trainers, gens)
+    for g in gens:
+        assert g.get("done"), g
+        assert [s["step"] for s in g["steps"]] == list(range(1, steps + 1)), g["steps"]
+        for s in g["steps"]:
+            assert s["bad"] == [], f"{g['rank']} step {s['step']}: weights not the trainer's: {s['bad'][:3]}"
+            assert s["version"] == s["step"] - 1 and s["held"] == s["version"], s  # the previous step's weights
+    put_steps = {s["step"] for g in gens for s in g["steps"]}
+    for t in trainers:
+        assert t.get("done") and len(t["batches"]) == steps, t
+        assert [p["version"] for p in t["publish"]] == [0] + [b["step"] for b in t["batches"]]
+        assert t["registered"]["tensors"] == len(t["hello"]["weights"])
+    for step in put_steps:
+        got = [b for t in trainers for b in t["batches"] if b["step"] == step]
+        assert sum(b["samples"] for b in got) == 3 * engines, got  # every sample of the step, once
+        for b in got:
+            assert b["columns"]["input_ids"] == {"dtype": "i64", "ragged": True, "inner": []}
+            assert b["columns"]["reward"] == {"dtype": "f32", "ragged": False, "inner": []}
+            assert all(r == float(step) for r in b["reward"])
+            for ids, n in zip(b["input_ids"], b["logprobs_len"]):
+                assert ids == [1000 * step + i for i in range(len(ids))] and n == len(ids)
+            assert b["tokens"] == [len(ids) for ids in b["input_ids"]]
+            assert all(dict(map(tuple, t))["engine"] in {"0", "1"} for t in b["tags"])
+
+
+def test_numpy_trainer_and_direct_engines(rlplane_bin: str, tmp_path: Path) -> None:
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, trainer_cmd(2, "--report", str(out)), py("engine.py", "--report", str(out), "--mode", "direct"))
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    check_job(tmp_path, out, steps=3, ranks=2, engines=2)
+    # The clients removed their own files (rlplane-<job>-<rank>-<pid>-<n>) when they closed.
+    assert [f for f in os.listdir(tmp_path / "shm") if f.startswith("rlplane-py-client-")] == []
+
+
+def test_torch_trainer_and_staged_engines(rlplane_bin: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="the torch trainer needs torch")
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, trainer_cmd(2, "--report", str(out), "--torch"),
+                 py("engine.py", "--report", str(out), "--mode", "staged"))
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    check_job(tmp_path, out, steps=3, ranks=2, engines=2)
+
+
+def test_a_trainer_failure_fails_the_run_with_its_message(rlplane_bin: str, tmp_path: Path) -> None:
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, trainer_cmd(1, "--report", str(out), "--fail-at", "2"),
+                 py("engine.py", "--report", str(out), "--mode", "direct"), data=1, engines=1)
+    p = run_local(rlplane_bin, m, tmp_path, timeout=180)
+    assert p.returncode != 0
+    assert "planned failure at step 2" in p.stdout + p.stderr
+
+
+def test_the_sidecars_errors_reach_the_user_as_exceptions(rlplane_bin: str, tmp_path: Path) -> None:
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, trainer_cmd(1, "--report", str(out), "--probe-errors"),
+                 py("engine.py", "--report", str(out), "--mode", "direct"), data=1, engines=1, steps=1)
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    (t,) = reports(out, "trainer")
+    e = t["errors"]
+    assert e["publish_before_register"]["class"] == "StateError" and "register" in e["publish_before_register"]["message"]
+    assert e["second_connection"]["class"] == "BusyError"
+    mm = e["mismatch"]
+    assert mm["class"] == "MismatchError", mm
+    assert "not.in.the.model" in mm["message"] and "model.embed_tokens.weight" in mm["message"], mm["message"]
+    assert e["staged_trainer"]["class"] == "InvalidError"
+    check_job(tmp_path, out, steps=1, ranks=1, engines=1)
