@@ -16,6 +16,7 @@ import rlplane.torch
 import columns
 import grpo
 from model import TinyLM
+from train import device_of
 
 
 def main() -> int:
@@ -23,7 +24,7 @@ def main() -> int:
     cfg = grpo.config_from_env()
 
     with rlplane.Engine() as e:
-        device = torch.device("cuda", e.info.gpu or 0) if e.info.device == "gpu" else torch.device("cpu")
+        device = device_of(e.info)
         # Placeholder weights: the initial refit (the trainer's publish(0)) replaces them before
         # the first step. Registering in direct mode lets refit write straight into the
         # parameters (shared memory on CPU, CUDA IPC on GPU).

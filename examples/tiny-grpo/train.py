@@ -29,10 +29,13 @@ import grpo
 
 
 def device_of(info) -> torch.device:
-    # `gpu` is the CUDA device the sidecar uses for this rank; the trainer must use the same one
-    # for CUDA IPC refit.
+    """The device this rank computes on. In a pod (and in `rlplane local`) the pod's GPUs are the
+    container's CUDA devices 0, 1, …, and the rank's local index picks its own; CUDA IPC refit
+    needs the trainer's tensors on the GPU the sidecar serves."""
     if info.device == "gpu":
-        return torch.device("cuda", info.gpu or 0)
+        device = torch.device("cuda", info.rank.local)
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
 
 
