@@ -1,6 +1,10 @@
-"""Tests of the tiny-grpo example that need no sidecar.
+"""Tests of the tiny-grpo example.
 
     python -m pytest examples/tiny-grpo
+
+The last tests run the example through rlplane (`rlplane local`); they need the binary
+($RLPLANE_BIN, or target/debug/rlplane of this checkout: `cargo build -p rlplane`) and skip
+without it.
 """
 
 import json
@@ -17,13 +21,14 @@ import grpo
 import model
 import task
 
-HERE = Path(__file__).resolve().parent
+EXAMPLE = Path(__file__).resolve().parent.parent
+REPO = EXAMPLE.parent.parent
 
 
 @pytest.mark.parametrize("job", ["rljob.yaml", "rljob-gpu-colocated.yaml"])
 def test_job_lists_the_models_tensors(job):
     # The RLJob's spec.model.tensors must be TinyLM's manifest, else register_model is refused.
-    text = (HERE / job).read_text()
+    text = (EXAMPLE / job).read_text()
     assert model.manifest_yaml(model.TinyLM(), indent=6) + "\n  trainer:" in text
 
 
@@ -99,7 +104,7 @@ def test_reference_is_deterministic_and_checks_the_probe(tmp_path):
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}.json"
-        subprocess.run([sys.executable, str(HERE / "reference.py"), "--steps", "4", "--out", str(out)], check=True,
+        subprocess.run([sys.executable, str(EXAMPLE / "reference.py"), "--steps", "4", "--out", str(out)], check=True,
                        capture_output=True)
         runs.append(json.loads(out.read_text()))
     strip = lambda r: [{k: v for k, v in row.items() if k != "elapsed_s"} for row in r["curve"]]  # noqa: E731
@@ -110,6 +115,54 @@ def test_reference_is_deterministic_and_checks_the_probe(tmp_path):
 @pytest.mark.skipif(not os.environ.get("TINY_GRPO_SLOW"), reason="set TINY_GRPO_SLOW=1 to run the full reference (about 15 s)")
 def test_reference_learns(tmp_path):
     out = tmp_path / "ref.json"
-    subprocess.run([sys.executable, str(HERE / "reference.py"), "--out", str(out)], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(EXAMPLE / "reference.py"), "--out", str(out)], check=True, capture_output=True)
     result = json.loads(out.read_text())
     assert result["first_reward"] < 0.15 and result["passed"], result
+
+
+# ---------------------------------------------------------------------------------------------
+# Through rlplane
+
+
+@pytest.fixture(scope="module")
+def rlplane_bin() -> str:
+    env = os.environ.get("RLPLANE_BIN")
+    candidates = [env] if env else [str(REPO / "target" / d / "rlplane") for d in ("debug", "release")]
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    pytest.skip(f"no rlplane binary (set RLPLANE_BIN or run `cargo build -p rlplane`; looked at {candidates})")
+
+
+def rlplane_local(binary: str, job: Path, result: Path, *extra: str) -> subprocess.CompletedProcess:
+    # The job's containers run `python examples/tiny-grpo/...` from the repository root, with
+    # this interpreter and this checkout's client package.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+               PYTHONPATH=str(REPO / "python"), TINY_GRPO_RESULT=str(result))
+    return subprocess.run([binary, "local", str(job), *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_rlplane_run_learns_and_follows_the_reference(rlplane_bin, tmp_path):
+    run = rlplane_local(rlplane_bin, EXAMPLE / "rljob.yaml", tmp_path / "result.json")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] == grpo.Config.steps and all(row["probe_equal"] for row in result["curve"])
+    assert result["first_reward"] < 0.15 and result["passed"], {k: v for k, v in result.items() if k != "curve"}
+
+    # Refit moves the weights bit for bit and the columns restore the engine's order, so the
+    # run is the reference run, step for step.
+    subprocess.run([sys.executable, str(EXAMPLE / "reference.py"), "--out", str(tmp_path / "ref.json")], check=True,
+                   capture_output=True)
+    reference = json.loads((tmp_path / "ref.json").read_text())
+    same = lambda r: [{k: v for k, v in row.items() if k not in ("elapsed_s", "refit_s")} for row in r["curve"]]  # noqa: E731
+    assert same(result) == same(reference)
+
+
+def test_rlplane_run_fails_when_the_engine_holds_other_weights(rlplane_bin, tmp_path):
+    job = tmp_path / "rljob.yaml"
+    job.write_text((EXAMPLE / "rljob.yaml").read_text().replace(
+        "examples/tiny-grpo/engine.py", str(EXAMPLE / "tests" / "corrupt_engine.py")))
+    run = rlplane_local(rlplane_bin, job, tmp_path / "result.json", "--steps", "2")
+    assert run.returncode != 0
+    assert "probe logits for weights version 0 differ" in run.stdout + run.stderr
