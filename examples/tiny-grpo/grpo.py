@@ -225,7 +225,9 @@ def set_deterministic(threads: int = 1) -> None:
     torch.set_num_threads(threads)
     # cuBLAS is deterministic only with a fixed workspace; this must be set before CUDA starts.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    # Where a CUDA backward has no deterministic kernel, warn rather than fail: the probe check
+    # compares forward passes, which are deterministic either way.
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def summarize(cfg: Config, curve: list[dict], wall_s: float) -> dict:
