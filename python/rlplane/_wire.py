@@ -137,37 +137,49 @@ class Connection:
             if sock is None:
                 raise ShutdownError(f"the connection to {self.path} is closed; connect again", op=op)
             try:
-                sock.sendall(frame)
-            except (BrokenPipeError, ConnectionResetError) as e:
-                # The sidecar may have answered (e.g. `busy`) and closed before reading the request.
-                reply = self._read_after_send_failure(sock)
-                if reply is None:
-                    self._drop()
-                    raise ShutdownError(
-                        f"the sidecar at {self.path} closed the connection ({e.strerror}); the rank is stopping "
-                        "or the sidecar exited: see the worker's log",
-                        op=op,
-                    ) from None
-            else:
-                try:
-                    reply = read_message(sock)
-                except ProtocolError as e:
-                    self._drop()
-                    raise ProtocolError(e.message, op=op) from None
-                except OSError as e:
-                    self._drop()
-                    raise ShutdownError(
-                        f"reading the reply from {self.path} failed ({e}); the sidecar exited: see the worker's log",
-                        op=op,
-                    ) from None
+                reply = self._exchange(sock, frame, op)
+            except RlplaneError:
+                raise
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, a signal handler's exception) between request and
+                # reply: the stream's position is unknown, so the connection cannot be used again.
+                self._drop()
+                raise
+        return _check_reply(reply, op, self)
+
+    def _exchange(self, sock: _socket.socket, frame: bytes, op: str) -> dict[str, Any]:
+        try:
+            sock.sendall(frame)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # The sidecar may have answered (e.g. `busy`) and closed before reading the request.
+            reply = self._read_after_send_failure(sock)
             if reply is None:
                 self._drop()
                 raise ShutdownError(
-                    f"the sidecar at {self.path} closed the connection without answering; the rank is stopping or "
-                    "the sidecar exited: see the worker's log",
+                    f"the sidecar at {self.path} closed the connection ({e.strerror}); the rank is stopping "
+                    "or the sidecar exited: see the worker's log",
                     op=op,
-                )
-        return _check_reply(reply, op, self)
+                ) from None
+            return reply
+        try:
+            reply = read_message(sock)
+        except ProtocolError as e:
+            self._drop()
+            raise ProtocolError(e.message, op=op) from None
+        except OSError as e:
+            self._drop()
+            raise ShutdownError(
+                f"reading the reply from {self.path} failed ({e}); the sidecar exited: see the worker's log",
+                op=op,
+            ) from None
+        if reply is None:
+            self._drop()
+            raise ShutdownError(
+                f"the sidecar at {self.path} closed the connection without answering; the rank is stopping or "
+                "the sidecar exited: see the worker's log",
+                op=op,
+            )
+        return reply
 
     def _read_after_send_failure(self, sock: _socket.socket) -> dict[str, Any] | None:
         try:

@@ -25,11 +25,14 @@ __all__ = ["Trainer", "Engine", "Client", "Tensor"]
 Tensor = Any
 
 
-def _seconds(t: float) -> int | float:
-    """A timeout for the wire: an integer when whole, so a sidecar reading whole seconds accepts it."""
-    if t < 0:
-        raise InvalidError(f"a timeout must be 0 or more seconds, not {t}")
-    return int(t) if float(t).is_integer() else float(t)
+def _timeout_fields(t: float | None) -> dict[str, int | float]:
+    """``timeout_s`` for the wire: left out for None (wait as long as it takes); an integer when
+    whole, else fractional seconds."""
+    if t is None:
+        return {}
+    if not t >= 0 or t == float("inf"):
+        raise InvalidError(f"a timeout must be a finite number of seconds ≥ 0 (or None: no deadline), not {t}")
+    return {"timeout_s": int(t) if float(t).is_integer() else float(t)}
 
 
 def _is_torch(x: object) -> bool:
@@ -150,14 +153,17 @@ class Client:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def _describe(self, name: str, tensor: Tensor, hint: str | None) -> dict[str, Any]:
+    def _describe(self, name: str, tensor: Tensor, hint: str | None, keep: list[Any], devices: set[int]) -> dict[str, Any]:
         what = f"tensor {name!r}"
         if _is_torch(tensor):
             from .torch import describe_tensor
 
             entry = describe_tensor(self, name, tensor)
             if entry["memory"]["kind"] == "cuda_ipc":
-                self._cuda_devices.add(int(tensor.device.index or 0))
+                # Keep the storage itself: even if the tensor is re-pointed, the registered bytes
+                # stay allocated (not reused) until the next register or close.
+                keep.append(tensor.untyped_storage())
+                devices.add(int(tensor.device.index or 0))
             return entry
         if not isinstance(tensor, np.ndarray):
             raise InvalidError(
@@ -192,15 +198,19 @@ class Client:
         name_map = dict(name_map or {})
         specs = self._info.weights_by_name
         entries = []
+        keep: list[Any] = []
+        devices: set[int] = set()
         with self._lock:
             for name, tensor in tensors.items():
                 spec = specs.get(name_map.get(name, name))
-                entries.append(self._describe(name, tensor, spec.dtype if spec else None))
+                entries.append(self._describe(name, tensor, spec.dtype if spec else None, keep, devices))
             fields: dict[str, Any] = {"mode": "direct", "tensors": entries}
             if name_map:
                 fields["name_map"] = name_map
             reply = self._call("register_weights", **fields)
             self._registered = dict(tensors)
+            self._keepalive = keep
+            self._cuda_devices = devices
         return RegisterResult(tensors=int(reply.get("tensors", len(entries))), bytes=int(reply.get("bytes", 0)), raw=reply)
 
     def _sync_cuda(self) -> None:
@@ -402,19 +412,20 @@ class Engine(Client):
         """The weights this engine holds now."""
         return _version_info(self._call("version"))
 
-    def wait_version(self, version: int, timeout: float = 60.0) -> VersionInfo:
-        """Waits until this engine holds ``version`` (or later).
+    def wait_version(self, version: int, timeout: float | None = 60.0) -> VersionInfo:
+        """Waits until this engine holds ``version`` (or later); ``timeout=None`` waits as long as
+        it takes (the job's own deadlines still apply).
 
         Raises:
             TimeoutError: not within ``timeout`` seconds.
             FailedError: a refit failed part-way (the weights are a mix and are never handed out).
         """
-        return _version_info(self._call("wait_version", version=int(version), timeout_s=_seconds(timeout)))
+        return _version_info(self._call("wait_version", version=int(version), **_timeout_fields(timeout)))
 
-    def acquire_staged(self, version: int, timeout: float = 60.0) -> int:
+    def acquire_staged(self, version: int, timeout: float | None = 60.0) -> int:
         """Waits until the staging buffers hold ``version`` (or later) and lends them to this
         process; returns the version they hold. The next refit waits for :meth:`release_staged`."""
-        reply = self._call("acquire_staged", version=int(version), timeout_s=_seconds(timeout))
+        reply = self._call("acquire_staged", version=int(version), **_timeout_fields(timeout))
         return int(reply.get("version", version))
 
     def release_staged(self) -> None:
@@ -422,7 +433,7 @@ class Engine(Client):
         self._call("release_staged")
 
     @contextlib.contextmanager
-    def staged(self, version: int, timeout: float = 60.0) -> Iterator[int]:
+    def staged(self, version: int, timeout: float | None = 60.0) -> Iterator[int]:
         """``with engine.staged(v) as held:`` acquires the staging buffers (version ``held`` ≥ v)
         and releases them when the block ends, also on an exception."""
         held = self.acquire_staged(version, timeout)

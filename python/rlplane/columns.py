@@ -61,7 +61,8 @@ class Column:
         i %= n
         if self.offsets is not None:
             return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
-        return self.values[i]
+        row: np.ndarray = self.values[i]
+        return row
 
     def lengths(self) -> npt.NDArray[np.int64]:
         """Rows per sample (all 1 for a fixed column)."""

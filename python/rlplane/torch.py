@@ -14,6 +14,10 @@ Registering a model (:func:`register_model`):
 - **CUDA** tensors are described by PyTorch's own CUDA IPC handles
   (``untyped_storage()._share_cuda_()``); they must be contiguous and stay allocated in place
   while registered (the client keeps references). ``publish`` waits for queued GPU work first.
+  At exit PyTorch may warn "Producer process has been terminated before all shared CUDA tensors
+  released": its IPC reference count is never decremented by the sidecar, which is not a torch
+  process; the warning is harmless. Allocations must not come from expandable segments
+  (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): those have no CUDA IPC handle.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -85,7 +89,7 @@ def torch_dtype(name: str) -> torch.dtype:
     dt = table.get(name)
     if dt is None:
         raise InvalidError(f"this PyTorch ({t.__version__}) has no dtype for {name}")
-    return dt
+    return cast("torch.dtype", dt)
 
 
 def wire_dtype_of(dtype: torch.dtype) -> str:
@@ -147,11 +151,11 @@ def numpy_to_tensor(array: np.ndarray, dtype_name: str) -> torch.Tensor:
         out = t.from_numpy(src)
     if raw is not None:
         out = out.view(torch_dtype(dtype_name))
-    return out
+    return cast("torch.Tensor", out)
 
 
 # numpy dtypes whose bytes torch.from_numpy takes for protocol dtypes numpy or older torch lack.
-_RAW_NUMPY = {"bf16": np.dtype("<i2"), "u16": np.dtype("<i2"), "fp8e4m3": np.dtype("u1"), "u32": np.dtype("<i4"), "u64": np.dtype("<i8")}
+_RAW_NUMPY: dict[str, np.dtype] = {"bf16": np.dtype("<i2"), "u16": np.dtype("<i2"), "fp8e4m3": np.dtype("u1"), "u32": np.dtype("<i4"), "u64": np.dtype("<i8")}
 
 
 def shared_tensor(client: Client, name: str, dtype: str | None = None, shape: Iterable[int] | None = None) -> torch.Tensor:
@@ -180,7 +184,7 @@ def cuda_ipc_descriptor(tensor: torch.Tensor, name: str = "the tensor") -> dict[
     if not tensor.is_contiguous():
         raise InvalidError(f"{name} is not contiguous (strides {tuple(tensor.stride())}); register a contiguous tensor (.contiguous() copies)")
     storage = tensor.untyped_storage()
-    shared = storage._share_cuda_()
+    shared = storage._share_cuda_()  # type: ignore[no-untyped-call]
     handle, storage_offset = shared[1], int(shared[3])
     raw = _ipc_handle_bytes(bytes(handle), name)
     return {
@@ -231,7 +235,6 @@ def describe_tensor(client: Client, name: str, tensor: torch.Tensor) -> dict[str
         memory = {"kind": "shm", "path": where[0], "offset": where[1], "nbytes": nbytes}
     elif tensor.device.type == "cuda":
         memory = cuda_ipc_descriptor(tensor, what)
-        client._keepalive.append(tensor)
     else:
         raise InvalidError(f"{what} is on {tensor.device}; rlplane registers CPU and CUDA tensors")
     return {"name": name, "dtype": dtype_name, "shape": [int(d) for d in tensor.shape], "memory": memory}
@@ -442,10 +445,10 @@ def open_cuda_ipc(memory: Mapping[str, Any], dtype_name: str, shape: Iterable[in
         raise ProtocolError(f"a cuda_ipc descriptor holds {nbytes} bytes, {dtype_name} {list(shape)} needs {need}")
     dev = t.cuda.current_device() if device is None else int(device)
     if nbytes == 0:
-        return t.empty(shape, dtype=dt, device=t.device("cuda", dev))
+        return cast("torch.Tensor", t.empty(shape, dtype=dt, device=t.device("cuda", dev)))
     base = _open_handle(handle, dev)
     raw = t.as_tensor(_CudaMemory(base + offset, nbytes), device=t.device("cuda", dev))
-    return raw.view(dt).view(shape)
+    return cast("torch.Tensor", raw.view(dt).view(shape))
 
 
 def staged_tensors(engine: Engine, device: int | None = None) -> dict[str, torch.Tensor]:

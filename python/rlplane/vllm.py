@@ -98,12 +98,12 @@ class RlplaneWorkerExtension:
         return {"rank": engine.info.rank.name, "socket": engine.socket_path, "tensors": len(views), "version": held}
 
     def _rlplane_require(self) -> Engine:
-        engine = getattr(self, "_rlplane_engine", None)
+        engine: Engine | None = getattr(self, "_rlplane_engine", None)
         if engine is None:
             raise ConfigError("this vLLM worker is not connected to rlplane: call llm.collective_rpc('rlplane_connect') first")
         return engine
 
-    def rlplane_update_weights(self, version: int, timeout_s: float = 60.0, process_after_loading: bool = False) -> int:
+    def rlplane_update_weights(self, version: int, timeout_s: float | None = 60.0, process_after_loading: bool = False) -> int:
         """Loads weights of ``version`` (or later) from the sidecar's staging buffers into the
         model, and returns the version loaded.
 

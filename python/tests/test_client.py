@@ -156,6 +156,10 @@ def test_engine_version_calls(shm_dir: Path) -> None:
     assert rec.requests[-1] == {"op": "wait_version", "version": 3, "timeout_s": 60}
     e.wait_version(3, timeout=0.5)
     assert rec.requests[-1]["timeout_s"] == 0.5
+    e.wait_version(3, timeout=None)
+    assert rec.requests[-1] == {"op": "wait_version", "version": 3}  # no deadline
+    with pytest.raises(rlplane.InvalidError, match="finite"):
+        e.wait_version(3, timeout=-1)
     with e.staged(3, timeout=10) as held:
         assert held == 4
     assert rec.ops()[-2:] == ["acquire_staged", "release_staged"]

@@ -38,7 +38,7 @@ def rlplane_bin() -> str:
 
 
 def manifest(tmp: Path, trainer_cmd: list[str], engine_cmd: list[str], *, steps: int = 3, data: int = 2,
-             engines: int = 2, name: str = "py-client") -> Path:
+             engines: int = 2, name: str = "py-client", gpu: bool = False) -> Path:
     def container(cname: str, cmd: list[str]) -> str:
         return (f"      spec:\n        containers:\n        - name: {cname}\n          image: unused-locally\n"
                 f"          command: {json.dumps(cmd)}\n")
@@ -48,8 +48,8 @@ kind: RLJob
 metadata:
   name: {name}
 spec:
-  mode: Split
-  device: Cpu
+  mode: {"Colocated" if gpu else "Split"}
+  device: {"Gpu" if gpu else "Cpu"}
   model:
     preset: tiny
   trainer:
@@ -62,7 +62,7 @@ spec:
     tensorParallel: 1
     template:
 {container("generate", engine_cmd)}  refit:
-    transport: Tcp
+    transport: {"Auto" if gpu else "Tcp"}
     bufferBytes: 262144
     numBuffers: 2
     timeoutSeconds: 30
@@ -181,3 +181,25 @@ def test_the_sidecars_errors_reach_the_user_as_exceptions(rlplane_bin: str, tmp_
     assert "not.in.the.model" in mm["message"] and "model.embed_tokens.weight" in mm["message"], mm["message"]
     assert e["staged_trainer"]["class"] == "InvalidError"
     check_job(tmp_path, out, steps=1, ranks=1, engines=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_gpu_colocated_cuda_ipc(rlplane_bin: str, tmp_path: Path, mode: str) -> None:
+    """One GPU, trainer and engine colocated: the trainer registers CUDA parameters (PyTorch's IPC
+    handles, opened by the sidecar); the engine gets CUDA IPC staging buffers (opened here through
+    cudaIpcOpenMemHandle) or registers its own CUDA tensors (direct)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        print("SKIPPED test_gpu_colocated_cuda_ipc: no CUDA device", file=sys.stderr)
+        pytest.skip("no CUDA device")
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, trainer_cmd(1, "--report", str(out), "--torch", "--device", "cuda"),
+                 py("engine.py", "--report", str(out), "--mode", mode, "--device", "cuda"),
+                 data=1, engines=1, gpu=True)
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    check_job(tmp_path, out, steps=3, ranks=1, engines=1)
+    (t,) = reports(out, "trainer")
+    assert t["hello"]["device"] == "gpu" and t["hello"]["transport"] == "cuda_ipc", t["hello"]

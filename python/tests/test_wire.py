@@ -194,3 +194,17 @@ def test_messages_are_utf8_json_objects(pair: tuple[socket.socket, socket.socket
     head = b.recv(4)
     (n,) = struct.unpack("<I", head)
     assert json.loads(b.recv(n).decode("utf-8")) == {"op": "fail", "message": "crashed: ✗"}
+
+
+def test_an_interrupted_call_closes_the_connection(pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reply that arrives after an interrupt must never be taken for the next request's.
+    a, _ = pair
+    conn = _wire.Connection(a, "/x.sock")
+
+    def interrupted(sock: socket.socket) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_wire, "read_message", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        conn.call("next_batch")
+    assert conn.closed

@@ -19,6 +19,8 @@ from trainer import pattern  # noqa: E402
 
 
 def values(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if hasattr(arr, "detach"):  # a torch tensor (CUDA IPC staging, or the engine's own CUDA tensors)
+        return arr.detach().float().cpu().numpy()
     return bf16_to_f32(arr) if dtype == "bf16" else np.asarray(arr, dtype=np.float64)
 
 
@@ -36,6 +38,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", required=True)
     ap.add_argument("--mode", choices=["direct", "staged"], default="direct")
+    ap.add_argument("--device", default="cpu", help="direct mode: where the engine's tensors live (cpu, cuda)")
     args = ap.parse_args()
     report: dict = {"steps": [], "mode": args.mode}
     with rlplane.Engine(timeout=60) as e:
@@ -45,6 +48,13 @@ def main() -> int:
         weights = list(info.weights)
         if args.mode == "staged":
             views = e.register_staged()
+        elif args.device != "cpu":
+            import torch
+
+            from rlplane.torch import register_model, torch_dtype
+
+            views = {w.name: torch.zeros(w.shard_shape, dtype=torch_dtype(w.dtype), device=args.device) for w in weights}
+            register_model(e, views)
         else:
             views = {w.name: e.alloc(w.name) for w in weights}
             e.register(views)

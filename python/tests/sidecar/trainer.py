@@ -53,6 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", required=True)
     ap.add_argument("--torch", action="store_true", help="register a torch model through rlplane.torch")
+    ap.add_argument("--device", default="cpu", help="where the torch model lives (cpu, cuda)")
     ap.add_argument("--fail-at", type=int, default=None, help="call fail() at this step")
     ap.add_argument("--probe-errors", action="store_true", help="first provoke the sidecar's errors and record them")
     args = ap.parse_args()
@@ -69,7 +70,8 @@ def main() -> int:
 
             from rlplane.torch import register_model, torch_dtype
 
-            params = {w.name: torch.nn.Parameter(torch.zeros(w.shard_shape, dtype=torch_dtype(w.dtype))) for _, w in held}
+            params = {w.name: torch.nn.Parameter(torch.zeros(w.shard_shape, dtype=torch_dtype(w.dtype), device=args.device))
+                      for _, w in held}
             res = register_model(t, params)
             arrays = None
         else:
