@@ -1,0 +1,55 @@
+"""The engine of tiny-grpo, run by rlplane (`rlplane local examples/tiny-grpo/rljob.yaml`).
+
+It holds its own copy of the policy, which rlplane's refit overwrites in place after every
+training step. For each step it samples a group of responses per prompt with the weights it
+holds, scores them, and puts them into rlplane's transfer queue for the trainer, together with
+its logits for the fixed probe batch (the trainer checks them against its own).
+"""
+
+import sys
+
+import torch
+
+import rlplane
+import rlplane.torch
+
+import columns
+import grpo
+from model import TinyLM
+from train import device_of
+
+
+def main() -> int:
+    grpo.set_deterministic()
+    cfg = grpo.config_from_env()
+
+    with rlplane.Engine() as e:
+        device = device_of(e.info)
+        # Placeholder weights: the initial refit (the trainer's publish(0)) replaces them before
+        # the first step. Registering in direct mode lets refit write straight into the
+        # parameters (shared memory on CPU, CUDA IPC on GPU).
+        model = TinyLM().to(device)
+        rlplane.torch.register_model(e, model)
+        probe = grpo.probe_prompts(cfg)
+
+        for step in e.steps():
+            # The engine holds the weights of the previous step (version 0: the initial ones).
+            assert step.version == step.step - 1, f"step {step.step} with weights {step.version}"
+            rollouts = grpo.generate(model, grpo.prompts_for_step(cfg, step.step), cfg, step.step)
+            cols = columns.to_columns(rollouts, step.version, grpo.probe_logits(model, probe))
+            n = len(rollouts.reward)
+            e.put(
+                step.step,
+                cols,
+                keys=[f"s{step.step}-{i:05d}" for i in range(n)],
+                # The group id as a tag too: the transfer queue can filter and route by tags.
+                tags=[[("uid", f"s{step.step}-p{int(g)}")] for g in rollouts.group],
+            )
+            e.end_step(step.step)
+            print(f"engine: step {step.step}: {n} rollouts from weights {step.version}, "
+                  f"mean reward {rollouts.reward.mean().item():.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Tests of the tiny-grpo example.
+
+    python -m pytest examples/tiny-grpo
+
+The last tests run the example through rlplane (`rlplane local`); they need the binary
+($RLPLANE_BIN, or target/debug/rlplane of this checkout: `cargo build -p rlplane`) and skip
+without it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import grpo
+import model
+import task
+
+EXAMPLE = Path(__file__).resolve().parent.parent
+REPO = EXAMPLE.parent.parent
+
+
+@pytest.mark.parametrize("job", ["rljob.yaml", "rljob-gpu-colocated.yaml"])
+def test_job_lists_the_models_tensors(job):
+    # The RLJob's spec.model.tensors must be TinyLM's manifest, else register_model is refused.
+    text = (EXAMPLE / job).read_text()
+    assert model.manifest_yaml(model.TinyLM(), indent=6) + "\n  trainer:" in text
+
+
+def test_task_reward():
+    prompt = task.make_prompts(1, seed=3)[0].tolist()
+    digits = [t for t in prompt if t >= task.DIGIT0]
+    assert prompt[-1] == task.SEP and task.MIN_DIGITS <= len(digits) <= task.MAX_DIGITS
+    right = task.answer(prompt)
+    assert right == digits[::-1]
+    assert task.reward(prompt, right) == 1.0
+    assert task.reward(prompt, right + [task.DIGIT0]) < 1.0  # rambling on costs
+    assert task.reward(prompt, []) == 0.0
+    assert torch.equal(task.make_prompts(4, seed=9), task.make_prompts(4, seed=9))
+
+
+def test_group_advantages():
+    reward = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.8])
+    group = torch.tensor([7, 7, 3, 3, 7, 7])
+    adv = grpo.group_advantages(reward, group)
+    assert torch.allclose(adv[2:4], torch.zeros(2))  # equal rewards teach nothing
+    g7 = adv[[0, 1, 4, 5]]
+    assert abs(g7.mean().item()) < 1e-6 and abs(g7.std(unbiased=False).item() - 1) < 1e-4
+
+
+def test_generate_marks_every_sampled_token():
+    grpo.set_deterministic()
+    cfg = grpo.Config(prompts_per_step=4, group_size=3)
+    r = grpo.generate(grpo.make_policy(cfg), grpo.prompts_for_step(cfg, 1), cfg, 1)
+    assert r.tokens.shape[0] == 12 and (r.group == torch.arange(4).repeat_interleave(3)).all()
+    # Log-probs exactly where the mask is, and the mask is one run right after the prompt.
+    assert ((r.old_logprobs != 0) == r.response_mask).all()
+    assert not r.response_mask[:, : task.PROMPT_LEN].any()
+    assert (r.response_mask[:, task.PROMPT_LEN]).all()
+    # With unchanged weights, the trainer's log-probs reproduce the sampler's (ratio 1).
+    policy = grpo.make_policy(cfg)
+    lp = grpo.token_logprobs(policy, r.tokens, cfg.temperature)
+    assert torch.allclose(lp[r.response_mask], r.old_logprobs[r.response_mask], atol=1e-5)
+
+
+def test_columns_round_trip():
+    # The trainer must rebuild exactly the engine's rollouts from the columns, in whatever order
+    # the transfer queue hands the samples over.
+    rlplane_columns = pytest.importorskip("rlplane.columns")
+    import columns
+
+    grpo.set_deterministic()
+    cfg = grpo.Config(prompts_per_step=5, group_size=4)
+    policy = grpo.make_policy(cfg)
+    r = grpo.generate(policy, grpo.prompts_for_step(cfg, 2), cfg, 2)
+    probe = grpo.probe_logits(policy, grpo.probe_prompts(cfg))
+    cols = columns.to_columns(r, version=1, probe_logits=probe)
+
+    n = len(r.reward)
+    order = np.random.default_rng(0).permutation(n)
+    wire = {}
+    for name, v in cols.items():
+        if isinstance(v, list):  # ragged: values back to back, plus row offsets
+            rows = [np.asarray(v[i]) for i in order]
+            offsets = np.concatenate([[0], np.cumsum([len(x) for x in rows])]).astype(np.uint64)
+            wire[name] = rlplane_columns.Column(name, "", True, rows[0].shape[1:], np.concatenate(rows), offsets)
+        else:
+            wire[name] = rlplane_columns.Column(name, "", False, v.shape[1:], v[order], None)
+    batch = rlplane_columns.Batch(step=2, keys=[str(i) for i in order], tokens=[1] * n, columns=wire)
+
+    back, versions, probes = columns.from_batch(batch)
+    for f in grpo.Rollouts.__dataclass_fields__:
+        assert torch.equal(getattr(back, f), getattr(r, f)), f
+    assert (versions == 1).all()
+    assert len(probes) == 1 and torch.equal(probes[0], probe)
+
+
+def test_reference_is_deterministic_and_checks_the_probe(tmp_path):
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}.json"
+        subprocess.run([sys.executable, str(EXAMPLE / "reference.py"), "--steps", "4", "--out", str(out)], check=True,
+                       capture_output=True)
+        runs.append(json.loads(out.read_text()))
+    strip = lambda r: [{k: v for k, v in row.items() if k != "elapsed_s"} for row in r["curve"]]  # noqa: E731
+    assert strip(runs[0]) == strip(runs[1])
+    assert all(row["probe_equal"] for row in runs[0]["curve"])
+
+
+@pytest.mark.skipif(not os.environ.get("TINY_GRPO_SLOW"), reason="set TINY_GRPO_SLOW=1 to run the full reference (about 15 s)")
+def test_reference_learns(tmp_path):
+    out = tmp_path / "ref.json"
+    subprocess.run([sys.executable, str(EXAMPLE / "reference.py"), "--out", str(out)], check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["first_reward"] < 0.15 and result["passed"], result
+
+
+# ---------------------------------------------------------------------------------------------
+# Through rlplane
+
+
+@pytest.fixture(scope="module")
+def rlplane_bin() -> str:
+    env = os.environ.get("RLPLANE_BIN")
+    candidates = [env] if env else [str(REPO / "target" / d / "rlplane") for d in ("debug", "release")]
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    pytest.skip(f"no rlplane binary (set RLPLANE_BIN or run `cargo build -p rlplane`; looked at {candidates})")
+
+
+def rlplane_local(binary: str, job: Path, result: Path, *extra: str) -> subprocess.CompletedProcess:
+    # The job's containers run `python examples/tiny-grpo/...` from the repository root, with
+    # this interpreter and this checkout's client package.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+               PYTHONPATH=str(REPO / "python"), TINY_GRPO_RESULT=str(result))
+    return subprocess.run([binary, "local", str(job), *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_rlplane_run_learns_and_follows_the_reference(rlplane_bin, tmp_path):
+    run = rlplane_local(rlplane_bin, EXAMPLE / "rljob.yaml", tmp_path / "result.json")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] == grpo.Config.steps and all(row["probe_equal"] for row in result["curve"])
+    assert result["first_reward"] < 0.15 and result["passed"], {k: v for k, v in result.items() if k != "curve"}
+
+    # Refit moves the weights bit for bit and the columns restore the engine's order, so the
+    # run is the reference run, step for step.
+    subprocess.run([sys.executable, str(EXAMPLE / "reference.py"), "--out", str(tmp_path / "ref.json")], check=True,
+                   capture_output=True)
+    reference = json.loads((tmp_path / "ref.json").read_text())
+    same = lambda r: [{k: v for k, v in row.items() if k not in ("elapsed_s", "refit_s")} for row in r["curve"]]  # noqa: E731
+    assert same(result) == same(reference)
+
+
+def test_rlplane_run_fails_when_the_engine_holds_other_weights(rlplane_bin, tmp_path):
+    job = tmp_path / "rljob.yaml"
+    job.write_text((EXAMPLE / "rljob.yaml").read_text().replace(
+        "examples/tiny-grpo/engine.py", str(EXAMPLE / "tests" / "corrupt_engine.py")))
+    run = rlplane_local(rlplane_bin, job, tmp_path / "result.json", "--steps", "2")
+    assert run.returncode != 0
+    assert "probe logits for weights version 0 differ" in run.stdout + run.stderr

@@ -1,0 +1,107 @@
+"""The trainer of tiny-grpo, run by rlplane (`rlplane local examples/tiny-grpo/rljob.yaml`).
+
+It owns the policy and the optimizer. rlplane brings it each step's rollouts from the engine
+(`t.batches()`) and, at `t.publish(step)`, moves the updated weights to the engine (refit) and
+returns once the engine holds them.
+
+Besides learning, it checks refit: the engine sends, with each step's rollouts, the logits it
+computes for a fixed probe batch with the weights it holds; they must be bit-identical to the
+logits the trainer computed for the weights it published. Any difference fails the job.
+
+Prints one JSON line per step; writes a result JSON (the curve and the pass/fail of the
+threshold) to --result or $TINY_GRPO_RESULT.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import rlplane
+import rlplane.torch
+
+import columns
+import grpo
+
+
+def device_of(info) -> torch.device:
+    """The device this rank computes on. In a pod (and in `rlplane local`) the pod's GPUs are the
+    container's CUDA devices 0, 1, …, and the rank's local index picks its own; CUDA IPC refit
+    needs the trainer's tensors on the GPU the sidecar serves."""
+    if info.device == "gpu":
+        device = torch.device("cuda", info.rank.local)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--result", default=os.environ.get("TINY_GRPO_RESULT"), help="write the result JSON here")
+    args = ap.parse_args()
+
+    grpo.set_deterministic()
+    start = time.monotonic()
+    curve = []
+
+    with rlplane.Trainer() as t:
+        # The job says how many steps; everything else (seed, hyperparameters) is grpo.Config,
+        # which the engine reads too.
+        cfg = replace(grpo.config_from_env(), steps=t.info.job.steps)
+        device = device_of(t.info)
+        model = grpo.make_policy(cfg).to(device)
+        # CPU parameters move into shared memory (CUDA ones are shared by IPC handle); refit
+        # reads them from there at every publish, with no copy. The optimizer is created after,
+        # on the parameters as they now are.
+        rlplane.torch.register_model(t, model)
+        optimizer = grpo.make_optimizer(model, cfg)
+        probe = grpo.probe_prompts(cfg)
+
+        t.publish(0)  # the initial weights, before the engine generates step 1
+        published = grpo.probe_logits(model, probe)  # what an engine holding version 0 must compute
+
+        for batch in t.batches():
+            rollouts, versions, engine_probes = columns.from_batch(batch)
+            held = batch.step - 1
+            # Generation never overlaps a refit: step s is generated with the weights of step s-1.
+            if not (versions == held).all():
+                raise RuntimeError(f"step {batch.step}: rollouts from weights {sorted(set(versions.tolist()))}, expected {held}")
+            check_probe(batch.step, held, published, engine_probes)
+
+            metrics = grpo.train_step(model, optimizer, rollouts, cfg, batch.step)
+            refit = t.publish(batch.step)
+            published = grpo.probe_logits(model, probe)
+
+            row = {"step": batch.step, **{k: round(v, 4) for k, v in metrics.items()}, "probe_equal": True,
+                   "refit_s": round(refit.refit_s, 4), "elapsed_s": round(time.monotonic() - start, 2)}
+            curve.append(row)
+            print(json.dumps(row), flush=True)
+
+    result = grpo.summarize(cfg, curve, wall_s=time.monotonic() - start)
+    print(json.dumps({k: v for k, v in result.items() if k != "curve"}), flush=True)
+    if args.result:
+        with open(args.result, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def check_probe(step: int, version: int, published: torch.Tensor, engine_probes: list[torch.Tensor]) -> None:
+    """Fails loudly unless every engine's probe logits equal the trainer's, bit for bit."""
+    if not engine_probes:
+        raise RuntimeError(f"step {step}: the batch carries no probe logits from the engine")
+    for p in engine_probes:
+        if not torch.equal(p, published):
+            diff = (p - published).abs().max().item() if p.shape == published.shape else float("nan")
+            raise RuntimeError(
+                f"step {step}: the engine's probe logits for weights version {version} differ from the trainer's "
+                f"(shapes {list(p.shape)} vs {list(published.shape)}, max |difference| {diff:.3g}): refit did not "
+                "deliver exactly the trainer's weights"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
