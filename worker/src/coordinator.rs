@@ -202,7 +202,7 @@ pub async fn run(
 
     let controller = TqController::new(ControllerConfig::from_plan(plan, auth));
     let serving = controller.clone();
-    tokio::spawn(async move {
+    let serving_task = tokio::spawn(async move {
         if let Err(e) = serving.serve(tq).await {
             tracing::error!(error = %e, "transfer-queue controller stopped");
         }
@@ -234,6 +234,9 @@ pub async fn run(
         record.steps.push(r);
     }
     server.shutdown_all().await;
+    // The queue is done: stop serving it, so that the controller (and its storage-unit watchers)
+    // goes away before the ranks exit rather than reporting their units lost.
+    serving_task.abort();
     record.dispatch_us = server.dispatch.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     // Monotonic clocks of different hosts are unrelated: one-way times only on one host.
     if plan.pods.iter().all(|p| p.host == plan.pods[0].host) {

@@ -296,11 +296,12 @@ impl Trainer {
                     None
                 }
             };
+            // The user's training is work, not control: the whole wait counts as busy.
             return Ok(Report {
-                busy_secs: secs(t),
+                busy_secs: waited + secs(t),
                 digest,
                 bytes: w.total_bytes(),
-                phases: [("wait_publish".to_string(), waited)].into(),
+                phases: [("user".to_string(), waited), ("digest".to_string(), secs(t))].into(),
                 ..Default::default()
             });
         }

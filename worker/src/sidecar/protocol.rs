@@ -283,17 +283,35 @@ pub async fn write_message<W: AsyncWriteExt + Unpin>(w: &mut W, v: &Value) -> st
     w.write_all(&frame).await
 }
 
-/// Parses 128 hex digits into a 64-byte handle.
+/// Parses a CUDA IPC handle: 128 hex digits (`cudaIpcMemHandle_t`), or PyTorch's 132 (a version
+/// byte and a type byte before the same 64 bytes, as `_share_cuda_()` returns it).
 pub fn parse_handle(hex: &str) -> Result<[u8; 64], ApiError> {
-    let bad = || invalid(format!("memory.handle: {} characters; a CUDA IPC handle is 128 hex digits", hex.len()));
-    if hex.len() != 128 {
+    let bad = || {
+        invalid(format!(
+            "memory.handle: {} characters; a CUDA IPC handle is 128 hex digits (or PyTorch's 132)",
+            hex.len()
+        ))
+    };
+    if !hex.is_ascii() || (hex.len() != 128 && hex.len() != 132) {
         return Err(bad());
     }
-    let mut out = [0u8; 64];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-    }
-    Ok(out)
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
+        .collect::<Result<_, _>>()
+        .map_err(|_| bad())?;
+    let raw = match bytes.len() {
+        64 => &bytes[..],
+        _ => match bytes[1] {
+            b'c' => &bytes[2..],
+            b'e' => {
+                return Err(invalid(
+                    "memory.handle: PyTorch shared an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which has no CUDA IPC handle; turn expandable segments off for the registered tensors",
+                ));
+            }
+            t => return Err(invalid(format!("memory.handle: unknown PyTorch handle type {t:#04x}"))),
+        },
+    };
+    Ok(raw.try_into().expect("64 bytes"))
 }
 
 /// 64 bytes as hex.
@@ -327,5 +345,10 @@ mod tests {
         }
         assert_eq!(parse_handle(&handle_hex(&h)).unwrap(), h);
         assert!(parse_handle("abc").is_err());
+        // PyTorch's form: version 2, type 'c', the handle.
+        let torch = format!("0263{}", handle_hex(&h));
+        assert_eq!(parse_handle(&torch).unwrap(), h);
+        let e = parse_handle(&format!("0265{}", handle_hex(&h))).unwrap_err();
+        assert!(e.message.contains("expandable"), "{}", e.message);
     }
 }
