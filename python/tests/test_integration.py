@@ -33,6 +33,8 @@ def rlplane_bin() -> str:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     msg = f"SKIPPED sidecar integration tests: no rlplane binary (set RLPLANE_BIN or run `cargo build -p rlplane`; looked at {candidates})"
+    if os.environ.get("RLPLANE_PYTHON_REQUIRED") == "1":
+        pytest.fail(msg + " (RLPLANE_PYTHON_REQUIRED=1: scripts/test builds it)")
     print(msg, file=sys.stderr)
     pytest.skip(msg)
 

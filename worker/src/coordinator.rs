@@ -233,9 +233,10 @@ pub async fn run(
         observer.progress(Progress::StepDone(r.clone()));
         record.steps.push(r);
     }
+    // The queue is done: ranks exiting from now on take their storage units with them, as
+    // expected; stop serving it.
+    controller.close();
     server.shutdown_all().await;
-    // The queue is done: stop serving it, so that the controller (and its storage-unit watchers)
-    // goes away before the ranks exit rather than reporting their units lost.
     serving_task.abort();
     record.dispatch_us = server.dispatch.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     // Monotonic clocks of different hosts are unrelated: one-way times only on one host.

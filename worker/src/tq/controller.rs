@@ -526,6 +526,8 @@ pub struct TqController {
     config: Arc<ControllerConfig>,
     /// Units whose watch connection is up (see [`TqController::watch_units`]).
     watched: Arc<Mutex<BTreeSet<u32>>>,
+    /// The job is over: units going away are expected, not lost.
+    closed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn lock(core: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
@@ -541,7 +543,14 @@ impl TqController {
             core: Arc::new(Mutex::new(Controller::new(config.lease))),
             config: Arc::new(config),
             watched: Arc::default(),
+            closed: Arc::default(),
         }
+    }
+
+    /// The job is over: from now on a storage unit that goes away (its rank exiting) is not
+    /// reported lost.
+    pub fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The settings.
@@ -728,10 +737,14 @@ impl TqController {
             let addr = addr.clone();
             let auth = self.config.auth.clone();
             let watched = self.watched.clone();
+            let closed = self.closed.clone();
             tokio::spawn(async move {
                 let connected = || watched.lock().unwrap_or_else(|e| e.into_inner()).insert(unit);
                 let reason = watch_unit(&addr, &auth, ping_every, || weak.strong_count() > 0, connected).await;
                 watched.lock().unwrap_or_else(|e| e.into_inner()).remove(&unit);
+                if closed.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
                 if let (Some(core), Some(reason)) = (weak.upgrade(), reason) {
                     let lost = lock(&core).mark_unit_lost(unit, &reason);
                     tracing::warn!(unit, %addr, %reason, partitions = ?lost, "transfer-queue storage unit lost");

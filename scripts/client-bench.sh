@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Refit through the Python client against `rlplane bench refit` for the same bytes, in one run
+# (docs/benchmarks.md, "Through the Python client").
+# Usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo]
+#   BIN: the release rlplane binary. python must import torch and numpy; the client is taken
+#   from ./python (PYTHONPATH) when it is not installed.
+#   gpu:  Llama-3-8B-sized tensors, colocated on GPU 0 (CUDA IPC)  vs  bench refit --colocated
+#   cpu:  Qwen3-0.6B-sized tensors, split over TCP                  vs  bench refit --transport tcp
+#   grpo: examples/tiny-grpo colocated on GPU 0, checked against its CUDA reference loop
+set -u
+bin=$(realpath "${1:?usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo]}")
+shift
+what=${*:-gpu cpu}
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 RLPLANE_LOG=${RLPLANE_LOG:-warn}
+# The manifests run `python …`: make sure that name exists.
+if ! command -v python >/dev/null; then
+  mkdir -p /tmp/rlplane-python-bin && ln -sf "$(command -v python3)" /tmp/rlplane-python-bin/python
+  export PATH=/tmp/rlplane-python-bin:$PATH
+fi
+out=${OUT:-/tmp}
+summary() { grep -h '"summary"' "$1" | tail -1 | sed 's/^\[[^]]*\] //'; }
+if [[ " $what " == *" gpu "* ]]; then
+  echo "=== GPU: client refit of Llama-3-8B-sized torch tensors, colocated (CUDA IPC)"
+  timeout 300 "$bin" local bench/client/rljob-colocated-8b.yaml > "$out/client-gpu.log" 2>&1; echo "rc=$?"
+  tail -8 "$out/client-gpu.log"
+  echo "=== GPU: rlplane bench refit, same bytes, same run"
+  timeout 200 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 --model llama3-8b \
+    --bucket-bytes 1073741824 --buffers 2 --iters 10 2>&1 | tee "$out/bench-gpu.log" | tail -14
+fi
+if [[ " $what " == *" cpu "* ]]; then
+  echo "=== CPU: client refit of Qwen3-0.6B-sized torch tensors, split over TCP"
+  timeout 300 "$bin" local bench/client/rljob-cpu.yaml > "$out/client-cpu.log" 2>&1; echo "rc=$?"
+  tail -8 "$out/client-cpu.log"
+  echo "=== CPU: rlplane bench refit --transport tcp, same bytes, same run"
+  timeout 200 "$bin" bench refit --transport tcp --receivers 1 --model qwen3-0.6b --bucket-bytes 268435456 \
+    --buffers 2 --iters 10 2>&1 | tee "$out/bench-cpu.log" | tail -10
+fi
+if [[ " $what " == *" grpo "* ]]; then
+  echo "=== tiny-grpo colocated on one GPU"
+  (cd examples/tiny-grpo && timeout 200 python reference.py --device cuda --out "$out/ref-cuda.json" > "$out/ref-cuda.log" 2>&1; tail -1 "$out/ref-cuda.log")
+  TINY_GRPO_RESULT=$out/grpo-gpu.json timeout 300 "$bin" local examples/tiny-grpo/rljob-gpu-colocated.yaml > "$out/grpo-gpu.log" 2>&1
+  echo "rc=$?"; tail -12 "$out/grpo-gpu.log"
+  python - "$out" <<'PY'
+import json, sys
+o = sys.argv[1]
+strip = lambda r: [{k: v for k, v in x.items() if k not in ("elapsed_s", "refit_s")} for x in r["curve"]]
+rs = {n: json.load(open(f"{o}/{n}.json")) for n in ("ref-cuda", "grpo-gpu")}
+for n, r in rs.items(): print(n, "steps", r["steps"], "first", r["first_reward"], "final", r["final_reward"], "passed", r["passed"])
+print("rlplane GPU run equals the CUDA reference step for step:", strip(rs["ref-cuda"]) == strip(rs["grpo-gpu"]))
+PY
+fi
