@@ -675,6 +675,10 @@ fn pod(
                     value: Some(POD_IPC_DIR.into()),
                     ..Default::default()
                 });
+                // The pod's /dev/shm is its own memory-backed volume, and the user's container
+                // may run as another user than the worker: the client's shared-memory files are
+                // created readable and writable by both (docs/local-api.md).
+                e.push(EnvVar { name: "RLPLANE_SHM_MODE".into(), value: Some("0666".into()), ..Default::default() });
                 containers.push(c);
             }
             init.extend(ts.init_containers.unwrap_or_default());

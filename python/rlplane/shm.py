@@ -101,6 +101,17 @@ def _unlink_all(paths: list[str]) -> None:
     paths.clear()
 
 
+def _default_mode() -> int:
+    """``$RLPLANE_SHM_MODE`` (octal, e.g. ``0666``), else ``0o600``."""
+    raw = os.environ.get("RLPLANE_SHM_MODE")
+    if not raw:
+        return 0o600
+    try:
+        return int(raw, 8)
+    except ValueError:
+        raise ConfigError(f"RLPLANE_SHM_MODE={raw!r} is not an octal file mode (e.g. 0666)") from None
+
+
 class Arena:
     """Shared-memory files this process writes and the sidecar maps.
 
@@ -109,8 +120,10 @@ class Arena:
     geometric). Nothing is freed one by one: :meth:`reset` reuses the space of a scratch arena,
     :meth:`close` removes every file.
 
-    Files are created with mode ``0o600`` by default: the sidecar must run as the same user (it
-    does under ``rlplane local`` and in the operator's pods); pass ``mode`` otherwise.
+    Files are created with mode ``$RLPLANE_SHM_MODE`` (octal), else ``0o600``: the sidecar must
+    then run as the same user (it does under ``rlplane local``). The operator sets
+    ``RLPLANE_SHM_MODE=0666`` in users' containers, whose ``/dev/shm`` is the pod's own
+    memory-backed volume and whose user may differ from the worker's; pass ``mode`` to override.
 
     Mappings stay valid while numpy arrays reference them, even after :meth:`close` removed the
     files.
@@ -123,12 +136,12 @@ class Arena:
         directory: str | None = None,
         *,
         min_file_bytes: int = 16 * 1024 * 1024,
-        mode: int = 0o600,
+        mode: int | None = None,
     ) -> None:
         self.directory = directory or shm_dir()
         self.prefix = f"rlplane-{_SAFE.sub('_', job)}-{_SAFE.sub('_', rank)}-{os.getpid()}"
         self.min_file_bytes = max(int(min_file_bytes), _PAGE)
-        self.mode = mode
+        self.mode = mode if mode is not None else _default_mode()
         self._files: list[_File] = []
         self._paths: list[str] = []
         self._lock = threading.Lock()
@@ -156,6 +169,8 @@ class Arena:
         path = os.path.join(self.directory, f"{self.prefix}-{next(_COUNTER)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), self.mode)
         try:
+            # os.open's mode passes through the umask; the mode asked for is the mode wanted.
+            os.fchmod(fd, self.mode)
             self._paths.append(path)
             try:
                 # Reserve the pages now: a full tmpfs answers ENOSPC here instead of SIGBUS on write.

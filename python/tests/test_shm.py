@@ -149,3 +149,24 @@ def test_mapping_errors_name_the_problem(shm_dir: Path) -> None:
         m.array(shm_descriptor(path, 0, 16), "<i8", (3,))
     with pytest.raises(rlplane.ProtocolError, match="cuda_ipc"):
         m.bytes({"kind": "cuda_ipc", "handle": "00", "offset": 0, "nbytes": 4})
+
+
+def test_file_mode_follows_rlplane_shm_mode_whatever_the_umask(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a pod the worker may run as another user: the operator sets RLPLANE_SHM_MODE=0666.
+    old = os.umask(0o077)
+    try:
+        monkeypatch.setenv("RLPLANE_SHM_MODE", "0666")
+        a = Arena("job", "trainer-0", str(shm_dir))
+        a.array(np.float32, [4])
+        assert [oct(os.stat(p).st_mode & 0o777) for p in a.paths] == ["0o666"]
+        a.close()
+        monkeypatch.delenv("RLPLANE_SHM_MODE")
+        b = Arena("job", "trainer-0", str(shm_dir))
+        b.array(np.float32, [4])
+        assert [oct(os.stat(p).st_mode & 0o777) for p in b.paths] == ["0o600"]
+        b.close()
+        monkeypatch.setenv("RLPLANE_SHM_MODE", "rw")
+        with pytest.raises(rlplane.ConfigError, match="RLPLANE_SHM_MODE"):
+            Arena("job", "trainer-0", str(shm_dir))
+    finally:
+        os.umask(old)

@@ -203,6 +203,8 @@ struct State {
     held: WeightsState,
     /// The staged version lent to the engine.
     lent: Option<u64>,
+    /// Files this rank wrote for the user (batches, staging), removed when the rank ends.
+    files: Vec<PathBuf>,
 }
 
 struct Shared {
@@ -347,8 +349,10 @@ impl Link {
 
     /// Trainer: writes step `step`'s batch for the user's `next_batch`.
     pub fn deliver_batch(&self, step: u32, batch: &Batch) -> anyhow::Result<()> {
-        let reply = session::write_batch(&self.info, step, batch)?;
+        let (reply, path) = session::write_batch(&self.info, step, batch)?;
         self.update(|s| {
+            s.files.retain(|f| f.exists());
+            s.files.push(path);
             s.batch = Some(reply);
             s.next_version = step as u64;
         });
@@ -405,6 +409,14 @@ impl Link {
     pub async fn shutdown(&self, grace: Duration) {
         self.update(|s| s.done = true);
         let _ = self.wait(Some(Instant::now() + grace), |s| (!s.connected).then_some(())).await;
+        self.remove_files();
+    }
+
+    /// Removes the files this rank wrote for the user (mappings of them stay valid).
+    fn remove_files(&self) {
+        for f in self.update(|s| std::mem::take(&mut s.files)) {
+            let _ = std::fs::remove_file(f);
+        }
     }
 
     /// The rank failed: pending calls answer `failed` with `error`. Waits up to `grace` for the
@@ -412,6 +424,7 @@ impl Link {
     pub async fn fail(&self, error: &str, grace: Duration) {
         self.update(|s| s.rank_error = Some(error.to_string()));
         let _ = self.wait(Some(Instant::now() + grace), |s| (!s.connected).then_some(())).await;
+        self.remove_files();
     }
 }
 

@@ -187,6 +187,9 @@ impl Session {
                     let path = info.shm_dir.join(format!("{}-staging", info.file_prefix()));
                     let (w, d) = UserWeights::staging(&manifest, info.memory_kind(), info.gpu.as_ref(), &path)
                         .map_err(|e| ApiError::new(ErrorKind::Failed, format!("allocating staging buffers: {e:#}")))?;
+                    if info.memory_kind() == super::weights::MemoryKind::Host {
+                        self.link.update(|s| s.files.push(path.clone()));
+                    }
                     (w, Some(d))
                 } else {
                     let writable = self.role() == Role::Engine;
@@ -509,7 +512,7 @@ fn held_reply(held: WeightsState) -> Value {
 
 /// Writes `batch` into a new shared-memory file of the rank (the previous step's file is removed:
 /// the user's mappings of it stay valid until it unmaps them) and returns the `next_batch` reply.
-pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<Value> {
+pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<(Value, std::path::PathBuf)> {
     let prefix = info.shm_dir.join(format!("{}-batch", info.file_prefix()));
     let path =
         prefix.with_file_name(format!("{}-{step}", prefix.file_name().and_then(|n| n.to_str()).unwrap_or("batch")));
@@ -558,7 +561,7 @@ pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<
     out.flush()?;
     drop(out);
     let samples = &batch.meta.samples;
-    Ok(json!({
+    let reply = json!({
         "ok": true,
         "step": step,
         "samples": samples.len(),
@@ -566,5 +569,6 @@ pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<
         "tokens": samples.iter().map(|s| s.tokens).collect::<Vec<_>>(),
         "tags": samples.iter().map(|s| s.tags.iter().map(|(k, v)| [k.as_str(), v.as_str()]).collect::<Vec<_>>()).collect::<Vec<_>>(),
         "columns": columns,
-    }))
+    });
+    Ok((reply, path))
 }
