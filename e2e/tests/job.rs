@@ -9,7 +9,6 @@
 //! refit and queue panels answered for the job.
 //! Without KUBECONFIG every test prints that it skipped and passes (CI makes that an error).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,13 +35,23 @@ struct Cluster {
 
 impl Cluster {
     async fn start(test: &str) -> anyhow::Result<Option<Cluster>> {
+        Self::start_with(test, []).await
+    }
+
+    /// As [`Cluster::start`], with more command words the node agent maps to executables (a
+    /// user container's `python`, say).
+    async fn start_with(
+        test: &str,
+        more: impl IntoIterator<Item = (String, PathBuf)>,
+    ) -> anyhow::Result<Option<Cluster>> {
         let Some(env) = Env::start_for_node_agent(test).await? else { return Ok(None) };
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("e2e-node-agent").join(&env.namespace);
         let (api_server, api_ca_file) = api_server_of_kubeconfig(&dir).await?;
         let cfg = NodeAgentConfig {
             namespace: env.namespace.clone(),
-            root: dir.join("pods"),
-            executables: BTreeMap::from([("rlplane".to_string(), worker_binary()?)]),
+            // Short: the pods' Unix sockets live under it (a socket path is at most 107 bytes).
+            root: std::env::temp_dir().join(format!("rlpe2e-{}", env.namespace.rsplit('-').next().unwrap_or("x"))),
+            executables: [("rlplane".to_string(), worker_binary()?)].into_iter().chain(more).collect(),
             api_server,
             api_ca_file,
         };
@@ -50,13 +59,15 @@ impl Cluster {
         Ok(Some(Cluster { env, agent, dir }))
     }
 
-    /// `kubectl apply -n <ns> -f manifests/<file>` with the manifest's text edited by `edit`;
-    /// prints kubectl's answer and returns the job's name (from `rljob.rlplane.dev/<name> created`).
+    /// `kubectl apply -n <ns> -f manifests/<file>` (or `<file>` from the workspace's root when it
+    /// names a directory) with the manifest's text edited by `edit`; prints kubectl's answer and
+    /// returns the job's name (from `rljob.rlplane.dev/<name> created`).
     fn apply(&self, file: &str, edit: impl FnOnce(String) -> String) -> anyhow::Result<String> {
-        let text = std::fs::read_to_string(workspace().join("manifests").join(file))?;
+        let shown = if file.contains('/') { file.to_string() } else { format!("manifests/{file}") };
+        let text = std::fs::read_to_string(workspace().join(&shown))?;
         let (ok, out, err) = kubectl_stdin(&["apply", "-n", &self.env.namespace, "-f", "-"], &edit(text))?;
-        anyhow::ensure!(ok, "kubectl apply -f manifests/{file} failed:\n{err}");
-        println!("$ kubectl apply -f manifests/{file}\n{}", out.trim());
+        anyhow::ensure!(ok, "kubectl apply -f {shown} failed:\n{err}");
+        println!("$ kubectl apply -f {shown}\n{}", out.trim());
         let name = out.split_whitespace().next().and_then(|o| o.strip_prefix("rljob.rlplane.dev/"));
         Ok(name.with_context(|| format!("kubectl apply named no RLJob: {out}"))?.to_string())
     }
@@ -569,4 +580,73 @@ fn a_pod_monitor_becomes_the_scrape_config_prometheus_operator_would_write() {
     assert_eq!(relabel[1]["source_labels"][0], "__meta_kubernetes_pod_labelpresent_rlplane_dev_job");
     assert_eq!(relabel[2]["regex"], "metrics");
     assert_eq!(relabel[3]["target_label"], "epoch");
+}
+
+/// The Python that runs users' containers in the tiny-grpo test: `RLPLANE_PYTHON` (scripts/test
+/// points it at scripts/python-env's venv, with PyTorch and the client). Without it the test says
+/// that it skipped, or fails where the e2e suite is required.
+fn user_python() -> anyhow::Result<Option<PathBuf>> {
+    match std::env::var_os("RLPLANE_PYTHON") {
+        Some(p) if p != "skip" => Ok(Some(PathBuf::from(p))),
+        Some(_) => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED users_own_trainer_and_engine_…: RLPLANE_PYTHON=skip");
+            Ok(None)
+        }
+        None if std::env::var("RLPLANE_E2E_REQUIRED").is_ok_and(|v| v == "1") => {
+            bail!("RLPLANE_PYTHON is not set: point it at a python with torch and the client (scripts/python-env)")
+        }
+        None => {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED users_own_trainer_and_engine_…: RLPLANE_PYTHON is not set (scripts/test sets it)"
+            );
+            Ok(None)
+        }
+    }
+}
+
+#[tokio::test]
+async fn users_own_trainer_and_engine_run_tiny_grpo_through_the_cluster() -> anyhow::Result<()> {
+    // examples/tiny-grpo/rljob.yaml applied as it is, but for absolute paths to its scripts (the
+    // node agent runs containers in their pod's directory) and a result file for the trainer: the
+    // operator renders the user's containers beside the worker as a native sidecar, the node agent
+    // runs both, and they meet on the pod's socket directory and /dev/shm.
+    let Some(python) = user_python()? else { return Ok(()) };
+    let Some(c) = Cluster::start_with("job-tiny-grpo", [("python".to_string(), python)]).await? else {
+        return Ok(());
+    };
+    std::fs::create_dir_all(&c.dir)?;
+    let result = c.dir.join("tiny-grpo-result.json");
+    let _ = std::fs::remove_file(&result);
+    let root = workspace().canonicalize()?;
+    let name = c.apply("examples/tiny-grpo/rljob.yaml", |t| {
+        let t = t.replace("examples/tiny-grpo/", &format!("{}/examples/tiny-grpo/", root.display()));
+        // The trainer's container (the first to name a seed) also says where its result goes.
+        t.replacen(
+            r#"- {name: TINY_GRPO_SEED, value: "0"}"#,
+            &format!(
+                "- {{name: TINY_GRPO_SEED, value: \"0\"}}\n              - {{name: TINY_GRPO_RESULT, value: \"{}\"}}",
+                result.display()
+            ),
+            1,
+        )
+    })?;
+    let job = c.wait(&name, "Succeeded", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
+    let st = job.status.as_ref().unwrap();
+    assert_eq!(st.restarts, 0, "no gang restart: {:?}", rlplane_e2e::gang_restart_events(&c.env, &name).await?);
+    assert_eq!(st.step, Some(job.spec.workload.steps as u64), "every step reported: {st:?}");
+    let text =
+        std::fs::read_to_string(&result).with_context(|| format!("the trainer wrote no {}", result.display()))?;
+    let r: serde_json::Value = serde_json::from_str(&text)?;
+    println!("tiny-grpo through the cluster: first reward {}, final {}", r["first_reward"], r["final_reward"]);
+    assert_eq!(r["passed"], true, "the mean reward passed the example's threshold: {r}");
+    let curve = r["curve"].as_array().context("a curve in the result")?;
+    assert_eq!(curve.len() as u32, job.spec.workload.steps, "a row per step");
+    assert!(
+        curve.iter().all(|row| row["probe_equal"] == true),
+        "the engine's logits equal the trainer's after every refit"
+    );
+    c.env.cleanup().await
 }

@@ -228,8 +228,17 @@ impl Link {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
         let _ = std::fs::remove_file(&path);
-        let listener = tokio::net::UnixListener::bind(&path)
-            .with_context(|| format!("binding the local API socket {}", path.display()))?;
+        let listener = tokio::net::UnixListener::bind(&path).with_context(|| {
+            format!(
+                "binding the local API socket {}{}",
+                path.display(),
+                if path.as_os_str().len() > 107 {
+                    " (a Unix socket's path is at most 107 bytes: use a shorter RLPLANE_IPC_DIR)"
+                } else {
+                    ""
+                }
+            )
+        })?;
         // Users' containers may run as another user than the worker.
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666));
