@@ -211,26 +211,7 @@ impl Generation {
         if let Some(v) = held {
             self.metrics.weight_version(v);
         }
-        Ok(Report {
-            busy_secs: busy + verify,
-            bytes: stats.bytes,
-            version: held,
-            digest: Some(digest),
-            phases: [
-                ("transfer".to_string(), stats.transfer_secs),
-                ("unpack".to_string(), stats.unpack_secs),
-                ("wait".to_string(), stats.buffer_wait_secs),
-                ("total".to_string(), stats.total_secs),
-                ("verify".to_string(), verify),
-            ]
-            .into(),
-            counters: [
-                ("direct_bytes".to_string(), stats.direct_bytes),
-                ("staged_bytes".to_string(), stats.staged_bytes),
-            ]
-            .into(),
-            ..Default::default()
-        })
+        Ok(refit_report(&stats, held, digest, busy, verify))
     }
 }
 
@@ -274,21 +255,28 @@ impl Generation {
         if let Some(v) = held.current() {
             self.metrics.weight_version(v);
         }
-        Ok(Report {
-            busy_secs: busy + verify,
-            bytes: stats.bytes,
-            version: held.current(),
-            digest: Some(digest),
-            phases: [
-                ("transfer".to_string(), stats.transfer_secs),
-                ("unpack".to_string(), stats.unpack_secs),
-                ("wait".to_string(), stats.buffer_wait_secs),
-                ("total".to_string(), stats.total_secs),
-                ("verify".to_string(), verify),
-            ]
+        Ok(refit_report(&stats, held.current(), digest, busy, verify))
+    }
+}
+
+/// A receiver's report of a refit: what it holds now, the digest it checked, its phases.
+fn refit_report(stats: &crate::refit::RefitStats, held: Option<u64>, digest: u64, busy: f64, verify: f64) -> Report {
+    Report {
+        busy_secs: busy + verify,
+        bytes: stats.bytes,
+        version: held,
+        digest: Some(digest),
+        phases: [
+            ("transfer".to_string(), stats.transfer_secs),
+            ("unpack".to_string(), stats.unpack_secs),
+            ("wait".to_string(), stats.buffer_wait_secs),
+            ("total".to_string(), stats.total_secs),
+            ("verify".to_string(), verify),
+        ]
+        .into(),
+        counters: [("direct_bytes".to_string(), stats.direct_bytes), ("staged_bytes".to_string(), stats.staged_bytes)]
             .into(),
-            ..Default::default()
-        })
+        ..Default::default()
     }
 }
 

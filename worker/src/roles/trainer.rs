@@ -169,6 +169,25 @@ impl Rank for Trainer {
     }
 }
 
+/// A trainer rank's report of a step's batch.
+fn train_report(
+    batch: &Batch,
+    fetched: u64,
+    digest: u64,
+    phases: std::collections::BTreeMap<String, f64>,
+    busy: f64,
+) -> Report {
+    Report {
+        busy_secs: busy,
+        bytes: fetched,
+        samples: batch.meta.samples.len() as u64,
+        tokens: batch.meta.tokens(),
+        digest: Some(digest),
+        phases,
+        ..Default::default()
+    }
+}
+
 /// Digest of a batch as fetched: every column's values and offsets in order.
 fn batch_digest(batch: &Batch) -> u64 {
     let mut d = Digest::new();
@@ -232,15 +251,7 @@ impl Trainer {
             link.deliver_batch(step, &batch)
                 .with_context(|| format!("handing step {step}'s batch to the trainer process"))?;
             phases.insert("deliver".to_string(), secs(t));
-            return Ok(Report {
-                busy_secs: secs(t0),
-                bytes: fetched,
-                samples: batch.meta.samples.len() as u64,
-                tokens: batch.meta.tokens(),
-                digest: Some(digest),
-                phases,
-                ..Default::default()
-            });
+            return Ok(train_report(&batch, fetched, digest, phases, secs(t0)));
         }
         let ids = batch.columns.iter().find(|c| c.name() == fields::INPUT_IDS).context("the batch lacks input_ids")?;
         let masks = batch
@@ -264,15 +275,7 @@ impl Trainer {
                 .with_context(|| format!("writing back step {step}'s log-probabilities"))?;
             phases.insert("writeback".to_string(), secs(t));
         }
-        Ok(Report {
-            busy_secs: secs(t0),
-            bytes: fetched,
-            samples: batch.meta.samples.len() as u64,
-            tokens: batch.meta.tokens(),
-            digest: Some(digest),
-            phases,
-            ..Default::default()
-        })
+        Ok(train_report(&batch, fetched, digest, phases, secs(t0)))
     }
 
     async fn update(&mut self, step: u32, seed: u64) -> anyhow::Result<Report> {
