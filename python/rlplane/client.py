@@ -115,9 +115,15 @@ class Client:
 
     @property
     def arena(self) -> Arena:
-        """The shared memory holding this client's registered arrays (created on first use)."""
+        """The shared memory holding this client's registered arrays (created on first use).
+
+        ``arena.close()`` frees it (removes its files; e.g. when offloading the weights); the
+        next :meth:`alloc` then opens a new arena, whose arrays are registered again with
+        :meth:`register`. The sidecar keeps its own mapping of the old files until then.
+        """
         with self._lock:
-            if self._arena is None:
+            # A closed client keeps its closed arena: nothing new is created after close().
+            if self._arena is None or (self._arena.closed and not self._closed):
                 self._arena = Arena(self._info.job.name, self._info.rank.name, shm_dir(self._info.shm_dir))
             return self._arena
 

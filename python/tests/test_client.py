@@ -101,6 +101,24 @@ def test_register_refuses_arrays_outside_shared_memory(shm_dir: Path) -> None:
     assert rec.ops() == ["hello"]
 
 
+def test_a_closed_arena_is_replaced_by_a_new_one_for_registering_again(shm_dir: Path) -> None:
+    reply = {"ok": True, "tensors": 3, "bytes": 8320}
+    t, rec = offline(rlplane.Trainer, HELLO, register_weights=reply)
+    names = ("embed.weight", "norm.weight", "lm_head.weight")
+    t.register({n: t.alloc(n) for n in names})
+    old = t.arena.paths
+    t.arena.close()  # offloading: the registered memory is freed
+    assert not any(os.path.exists(p) for p in old)
+    t.register({n: t.alloc(n) for n in names})
+    new = t.arena.paths
+    assert new and not set(new) & set(old)
+    paths = {e["memory"]["path"] for e in rec.requests[-1]["tensors"]}
+    assert paths <= set(new)
+    t.close()
+    with pytest.raises(rlplane.InvalidError, match="closed"):
+        t.alloc("embed.weight")
+
+
 def test_publish_and_batches(shm_dir: Path) -> None:
     t, rec = offline(rlplane.Trainer, HELLO, publish={"ok": True, "version": 0, "refit_s": 0.25, "bytes": 10},
                      next_batch=[{"ok": True, "done": True}])

@@ -40,11 +40,16 @@ def rlplane_bin() -> str:
 
 
 def manifest(tmp: Path, trainer_cmd: list[str], engine_cmd: list[str], *, steps: int = 3, data: int = 2,
-             engines: int = 2, name: str = "py-client", gpu: bool = False) -> Path:
+             engines: int = 2, name: str = "py-client", gpu: bool = False, tensor: int = 1,
+             tensors: list[dict[str, Any]] | None = None, timeout_s: int = 30, source: str = "Sharded") -> Path:
+    """An RLJob running the given user commands: `tensor`-way tensor-parallel trainer ranks per
+    data-parallel shard, the tiny preset or the explicit `tensors` (spec.model.tensors entries),
+    `timeout_s` the bound on each step's commands (spec.refit.timeoutSeconds)."""
     def container(cname: str, cmd: list[str]) -> str:
         return (f"      spec:\n        containers:\n        - name: {cname}\n          image: unused-locally\n"
                 f"          command: {json.dumps(cmd)}\n")
 
+    model = "    preset: tiny" if tensors is None else f"    tensors: {json.dumps(tensors)}"
     text = f"""apiVersion: rlplane.dev/v1alpha1
 kind: RLJob
 metadata:
@@ -53,11 +58,11 @@ spec:
   mode: {"Colocated" if gpu else "Split"}
   device: {"Gpu" if gpu else "Cpu"}
   model:
-    preset: tiny
+{model}
   trainer:
     nodes: 1
-    gpusPerNode: {data}
-    parallelism: {{tensor: 1, pipeline: 1, context: 1, data: {data}}}
+    gpusPerNode: {data * tensor}
+    parallelism: {{tensor: {tensor}, pipeline: 1, context: 1, data: {data}}}
     template:
 {container("train", trainer_cmd)}  generation:
     engines: {engines}
@@ -67,7 +72,8 @@ spec:
     transport: {"Auto" if gpu else "Tcp"}
     bufferBytes: 262144
     numBuffers: 2
-    timeoutSeconds: 30
+    source: {source}
+    timeoutSeconds: {timeout_s}
   transferQueue:
     placement: ProducerLocal
     capacityBytes: 67108864

@@ -181,6 +181,15 @@ pub struct RunRecord {
     pub one_way_us: Vec<f64>,
 }
 
+/// How much longer than `spec.refit.timeoutSeconds` the coordinator waits for a command. A rank
+/// bounds its own waits by timeoutSeconds (the user's process: publish, end_step, registering;
+/// refit's connects and buckets) from when the command arrives, after the coordinator started its
+/// clock, and its error says what it waited for. Without this grace the coordinator's generic
+/// "timed out waiting for trainer-0 to finish update" always won that race — a trainer process
+/// that never published never heard why, and `rlplane local` blamed whichever rank exited first
+/// once the control channel closed (python/tests/test_integration_more.py).
+pub const RANK_DEADLINE_GRACE: Duration = Duration::from_secs(3);
+
 /// Runs the job's steps. `control` and `tq` are already bound (so ranks can connect as soon as
 /// they start); every rank must prove it holds the epoch's key in `auth`.
 pub async fn run(
@@ -192,6 +201,8 @@ pub async fn run(
 ) -> Result<RunRecord, CoordinatorError> {
     let timeout = Duration::from_secs(plan.refit.timeout_seconds as u64);
     let startup = Duration::from_secs(120).max(timeout);
+    // The coordinator's bound on a command is the backstop: see RANK_DEADLINE_GRACE.
+    let timeout = timeout + RANK_DEADLINE_GRACE;
     let ranks: Vec<String> = plan
         .processes
         .iter()

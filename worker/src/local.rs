@@ -480,6 +480,11 @@ async fn blame(sup: &mut Supervisor, named: Option<&str>, grace: Duration) -> Op
     loop {
         let until = settle_until.unwrap_or(deadline).min(deadline);
         match tokio::time::timeout_at(until, sup.next_exit()).await {
+            // Ended because the coordinator, failing, closed the control channel (a rank, or a
+            // user process whose rank said so): a consequence. Without this, a rank that failed
+            // alive (its Failed reply names it) but exits late — it first gives its user process
+            // time to read the error — lost the blame to the first of these.
+            Ok(Some(e)) if e.tail.iter().any(|l| l.contains(crate::roles::COORDINATOR_GONE)) => {}
             Ok(Some(e)) if !e.success() => {
                 // Once the named rank's exit (or, with none named, the first failure) is in,
                 // give the others a moment to be seen too.

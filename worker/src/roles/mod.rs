@@ -80,8 +80,12 @@ pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R, 
             }
         }
     }
-    anyhow::bail!("the coordinator closed the control channel before Shutdown")
+    anyhow::bail!("{COORDINATOR_GONE}")
 }
+
+/// How a rank's error starts when it ends because the coordinator went away: the consequence of
+/// a failure elsewhere, never its cause (`rlplane local` blames another process).
+pub const COORDINATOR_GONE: &str = "the coordinator closed the control channel before Shutdown";
 
 /// Runs process `me` of the plan until Shutdown. Its metrics are served on a loopback port that
 /// the readiness line announces.

@@ -1,0 +1,81 @@
+"""A user's engine process for test_integration_more.py: registers arrays refit writes in place
+(direct), checks at every step — and after the last refit — that every tensor holds exactly
+exact.full()'s bytes for the version it holds, puts a few rollouts, and writes what it saw to
+<report dir>/engine-<rank>.json.
+
+--die-at S [--die-code C]: at step S, after a put and before end_step, the process dies
+(os._exit(C)), as a crashing engine does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+import rlplane
+
+sys.path.insert(0, os.path.dirname(__file__))
+from exact import full  # noqa: E402
+
+
+def check(views: dict, weights: list, version: int) -> list[str]:
+    """The tensors whose bytes are not version `version`'s, with where they first differ."""
+    bad = []
+    for i, w in enumerate(weights):
+        want = full(version, i, w.dtype, w.shape)
+        have = views[w.name]
+        if have.tobytes() != want.tobytes():
+            diff = np.flatnonzero(have.reshape(-1) != want.reshape(-1))
+            at = int(diff[0]) if diff.size else -1
+            bad.append(f"{w.name}: {diff.size} of {want.size} elements differ, first at {at} "
+                       f"({have.reshape(-1)[at]!r} != {want.reshape(-1)[at]!r})")
+    return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--report", required=True)
+    ap.add_argument("--die-at", type=int, default=None)
+    ap.add_argument("--die-code", type=int, default=3)
+    args = ap.parse_args()
+    report: dict = {"steps": []}
+
+    def save() -> None:
+        with open(os.path.join(args.report, f"engine-{report['rank']}.json"), "w") as f:
+            json.dump(report, f)
+
+    with rlplane.Engine(timeout=60) as e:
+        info = e.info
+        report["rank"] = info.rank.name
+        report["hello"] = info.raw
+        weights = list(info.weights)
+        views = {w.name: e.alloc(w.name) for w in weights}
+        e.register(views)
+        for step in e.steps():
+            vi = e.wait_version(step.version or 0, timeout=30)
+            entry: dict = {"step": step.step, "version": step.version, "held": vi.version,
+                           "bad": check(views, weights, vi.version or 0)}
+            report["steps"].append(entry)
+            n = 2
+            e.put(step, {
+                "input_ids": [np.arange(4, dtype=np.int64) + 1000 * step.step + k for k in range(n)],
+                "reward": np.full(n, float(step.step), np.float32),
+            })
+            if step.step == args.die_at:
+                report["died_at"] = step.step
+                save()
+                print(f"exact_engine.py: dying at step {step.step} (os._exit({args.die_code}))", file=sys.stderr, flush=True)
+                os._exit(args.die_code)
+        # After the job's last step its last refit is in place too.
+        vi = e.version()
+        report["final"] = {"version": vi.version, "state": vi.state, "bad": check(views, weights, vi.version or 0)}
+        report["done"] = True
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
