@@ -55,6 +55,8 @@ impl Cluster {
             api_server,
             api_ca_file,
         };
+        // The test's own files (the agent's pods live under the short root above).
+        std::fs::create_dir_all(&dir)?;
         let agent = NodeAgent::start(env.client.clone(), cfg)?;
         Ok(Some(Cluster { env, agent, dir }))
     }
@@ -617,7 +619,6 @@ async fn users_own_trainer_and_engine_run_tiny_grpo_through_the_cluster() -> any
     let Some(c) = Cluster::start_with("job-tiny-grpo", [("python".to_string(), python)]).await? else {
         return Ok(());
     };
-    std::fs::create_dir_all(&c.dir)?;
     let result = c.dir.join("tiny-grpo-result.json");
     let _ = std::fs::remove_file(&result);
     let root = workspace().canonicalize()?;
