@@ -82,7 +82,22 @@ fn unknown_fields(value: &Value, schema: &Value, path: &str, errors: &mut Vec<St
                 }
             }
         }
-        _ => {}
+        _ => {
+            // A value outside an enum (e.g. `refit.verify: Everything`): name the field and the
+            // values it takes, instead of serde's path-less "unknown variant".
+            if let Some(allowed) = schema.get("enum").and_then(Value::as_array)
+                && !allowed.contains(value)
+            {
+                let names: Vec<String> =
+                    allowed.iter().map(|a| a.as_str().map_or_else(|| a.to_string(), String::from)).collect();
+                let hint = value
+                    .as_str()
+                    .and_then(|v| closest(v, names.iter().map(String::as_str)))
+                    .map(|c| format!("; did you mean `{c}`?"))
+                    .unwrap_or_default();
+                errors.push(format!("{path}: {value} is not one of {}{hint}", names.join(", ")));
+            }
+        }
     }
 }
 
