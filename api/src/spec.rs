@@ -325,6 +325,27 @@ pub enum RefitSource {
     Gathered,
 }
 
+/// How a generation rank checks the weights of each refit against the trainer's (see
+/// docs/refit.md, "Verification"). Whatever the policy, a refit that did not deliver every bucket
+/// leaves the rank `Incomplete` and fails the step: an engine never runs on mixed weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum RefitVerify {
+    /// Every byte: each receiver digests all it received and compares it with the digest the
+    /// senders computed once for the version. Catches any wrong byte (a transport or copy fault,
+    /// a wrong offset, stride or dtype, a tensor left out, a source written during the refit), at
+    /// the cost of one read of the weights on every receiver.
+    Full,
+    /// A sample, fresh every version: each tensor segment's first and last 4 KiB block and a
+    /// pseudo-random one in 16 of the others, drawn from the version, so no block stays unchecked
+    /// for long. Catches every systematic fault (wrong offsets, strides, dtypes or plans, a
+    /// missing or stale tensor, a truncated or shifted segment) and a localized corruption with
+    /// the probability that one of its blocks is drawn; costs about a sixteenth of `Full`.
+    #[default]
+    Sampled,
+    /// No digest. Versions and bucket accounting still refuse incomplete refits.
+    Off,
+}
+
 /// Refit settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
@@ -360,6 +381,9 @@ pub struct RefitSpec {
     #[serde(default = "default_refit_timeout")]
     #[schemars(range(min = 1, max = 86400))]
     pub timeout_seconds: u32,
+    /// How receivers check each refit: Full, Sampled (default) or Off.
+    #[serde(default)]
+    pub verify: RefitVerify,
 }
 
 /// Default bucket size: 1 GiB.
@@ -375,6 +399,7 @@ impl Default for RefitSpec {
             transport: RefitTransport::Auto,
             source: RefitSource::Sharded,
             timeout_seconds: default_refit_timeout(),
+            verify: RefitVerify::Sampled,
         }
     }
 }
