@@ -106,14 +106,19 @@ impl Digest {
     }
 
     /// The digest, with a final partial word zero-padded and the length mixed in.
-    pub fn finish(mut self) -> u64 {
+    pub fn finish(self) -> u64 {
         let len = self.word_index * 8 + self.pending_len as u64;
+        mix64(self.padded_sum() ^ len.wrapping_mul(GOLDEN))
+    }
+
+    /// The word sum, a final partial word zero-padded (before the length is mixed in).
+    fn padded_sum(mut self) -> u64 {
         if self.pending_len > 0 {
             self.pending[self.pending_len..].fill(0);
             let w = u64::from_le_bytes(self.pending);
             self.word(w);
         }
-        mix64(self.sum ^ len.wrapping_mul(GOLDEN))
+        self.sum
     }
 }
 
@@ -126,12 +131,77 @@ pub fn digest_bytes(bytes: &[u8]) -> u64 {
 
 /// Digest of `rows` rows of `width` bytes starting at `offset` in `base`, `pitch` bytes apart.
 pub fn digest_strided(base: &[u8], offset: u64, rows: u64, width: u64, pitch: u64) -> u64 {
-    let mut d = Digest::new();
-    for r in 0..rows {
-        let start = (offset + r * pitch) as usize;
-        d.update(&base[start..start + width as usize]);
+    digest_region(base, offset, rows, width, pitch, Sampling::FULL)
+}
+
+/// Bytes per verification block: the unit a sampled check draws, and the work item of the GPU's
+/// digest kernel (`rlp_digest_segments`, which must use the same figure).
+pub const VERIFY_BLOCK: u64 = 4096;
+
+/// A sampled check reads one block in `SAMPLE_MASK + 1` (besides each region's first and last).
+pub const SAMPLE_MASK: u64 = 15;
+
+/// Which 4 KiB blocks of a region a digest reads: all, or a sample drawn from a salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sampling {
+    mask: u64,
+    salt: u64,
+}
+
+impl Sampling {
+    /// Every block.
+    pub const FULL: Sampling = Sampling { mask: 0, salt: 0 };
+
+    /// The sample of region `region` (e.g. a refit segment's identity) for weight version
+    /// `version`: its first and last block and about one in `SAMPLE_MASK + 1` of the others,
+    /// drawn afresh for every version.
+    pub fn sampled(version: u64, region: u64) -> Sampling {
+        Sampling { mask: SAMPLE_MASK, salt: mix64(mix64(version ^ 0x7665_7269_6679) ^ region.wrapping_mul(GOLDEN)) }
     }
-    d.finish()
+
+    /// 0 for every block; otherwise a block is drawn when its hash has these bits clear.
+    pub fn mask(&self) -> u64 {
+        self.mask
+    }
+
+    /// The salt the blocks' hashes start from.
+    pub fn salt(&self) -> u64 {
+        self.salt
+    }
+
+    /// Whether block `block` of a region whose last block is `last` is read.
+    #[inline]
+    pub fn selected(&self, block: u64, last: u64) -> bool {
+        self.mask == 0 || block == 0 || block == last || mix64(self.salt ^ block.wrapping_mul(GOLDEN)) & self.mask == 0
+    }
+}
+
+/// Digest of the blocks `sampling` selects of the region of `rows` rows of `width` bytes at
+/// `offset` in `base`, `pitch` bytes apart, read row after row: the sum over the words `k` of the
+/// selected [`VERIFY_BLOCK`]-byte blocks of `mix64(word ^ k·GOLDEN)`, finished with the region's
+/// length. With [`Sampling::FULL`] it is [`digest_bytes`] of the gathered rows.
+pub fn digest_region(base: &[u8], offset: u64, rows: u64, width: u64, pitch: u64, sampling: Sampling) -> u64 {
+    let len = rows * width;
+    let blocks = len.div_ceil(VERIFY_BLOCK);
+    let mut sum = 0u64;
+    for b in 0..blocks {
+        if !sampling.selected(b, blocks - 1) {
+            continue;
+        }
+        // The block's logical bytes [lo, hi), as pieces of rows.
+        let (lo, hi) = (b * VERIFY_BLOCK, ((b + 1) * VERIFY_BLOCK).min(len));
+        let mut d = Digest { word_index: lo / 8, ..Digest::default() };
+        let mut at = lo;
+        while at < hi {
+            let (row, col) = (at / width, at % width);
+            let n = (width - col).min(hi - at);
+            let start = (offset + row * pitch + col) as usize;
+            d.update(&base[start..start + n as usize]);
+            at += n;
+        }
+        sum = sum.wrapping_add(d.padded_sum());
+    }
+    mix64(sum ^ len.wrapping_mul(GOLDEN))
 }
 
 /// A segment's contribution to a total: its digest mixed with its identity, so that the same
@@ -198,6 +268,48 @@ mod tests {
         let base = full(3, 10 * 12);
         let gathered: Vec<u8> = (0..10).flat_map(|r| base[r * 12 + 4..r * 12 + 9].to_vec()).collect();
         assert_eq!(digest_strided(&base, 4, 10, 5, 12), digest_bytes(&gathered));
+    }
+
+    proptest! {
+        #[test]
+        fn a_full_region_digest_is_the_digest_of_the_gathered_rows(rows in 1u64..40, width in 1u64..700, extra in 0u64..50, offset in 0u64..20, seed: u64) {
+            let pitch = width + extra;
+            let base = full(seed, (offset + rows * pitch) as usize);
+            let gathered: Vec<u8> = (0..rows).flat_map(|r| {
+                let s = (offset + r * pitch) as usize;
+                base[s..s + width as usize].to_vec()
+            }).collect();
+            prop_assert_eq!(digest_region(&base, offset, rows, width, pitch, Sampling::FULL), digest_bytes(&gathered));
+        }
+
+        #[test]
+        fn a_sample_sees_changes_in_drawn_blocks_only(len in 1u64..200_000, at in 0u64..200_000, version: u64, flip in 1u8..=255) {
+            let at = at % len;
+            let base = full(version, len as usize);
+            let mut other = base.clone();
+            other[at as usize] ^= flip;
+            let s = Sampling::sampled(version, 7);
+            let last = len.div_ceil(VERIFY_BLOCK) - 1;
+            let drawn = s.selected(at / VERIFY_BLOCK, last);
+            let differs = digest_region(&base, 0, 1, len, len, s) != digest_region(&other, 0, 1, len, len, s);
+            prop_assert_eq!(differs, drawn);
+        }
+    }
+
+    #[test]
+    fn a_sample_draws_about_one_block_in_sixteen_and_always_the_ends() {
+        let blocks = 100_000u64;
+        for version in [1u64, 2, 3] {
+            let s = Sampling::sampled(version, 42);
+            let drawn = (0..blocks).filter(|&b| s.selected(b, blocks - 1)).count() as f64;
+            let share = drawn / blocks as f64;
+            assert!((share - 1.0 / 16.0).abs() < 0.005, "version {version}: {share}");
+            assert!(s.selected(0, blocks - 1) && s.selected(blocks - 1, blocks - 1));
+        }
+        // Another version draws other blocks.
+        let (a, b) = (Sampling::sampled(1, 42), Sampling::sampled(2, 42));
+        let same = (0..blocks).filter(|&k| a.selected(k, blocks - 1) && b.selected(k, blocks - 1)).count();
+        assert!(same < (blocks / 100) as usize, "{same} blocks drawn by both versions");
     }
 
     #[test]

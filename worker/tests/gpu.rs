@@ -89,24 +89,42 @@ fn gpu_kernels_match_the_cpu_definitions() {
         rlplane::digest::fill(&mut expected[at..at + width as usize], seed, full_off + r * full_pitch);
     }
     assert_eq!(host, expected, "rlp_fill2d writes what digest::fill defines");
-    let out = gpu.alloc(8).unwrap();
-    out.memset(0, &stream).unwrap();
-    unsafe { gpu.digest2d(&stream, buf.ptr() + off, rows, width, pitch, out.ptr()).unwrap() };
-    stream.synchronize().unwrap();
-    let mut sum = [0u8; 8];
-    out.copy_to_host(0, &mut sum).unwrap();
-    let d = rlplane::gpu::finish_digest(u64::from_le_bytes(sum), rows * width);
-    assert_eq!(d, rlplane::digest::digest_strided(&host, off, rows, width, pitch), "rlp_digest2d = digest_strided");
-    // A contiguous, 8-byte-aligned region with a partial last word takes the whole-word kernel.
-    for len in [1003u64, 4096, 7] {
-        out.memset(0, &stream).unwrap();
-        unsafe { gpu.digest2d(&stream, buf.ptr(), 1, len, len, out.ptr()).unwrap() };
-        stream.synchronize().unwrap();
-        out.copy_to_host(0, &mut sum).unwrap();
-        let d = rlplane::gpu::finish_digest(u64::from_le_bytes(sum), len);
-        assert_eq!(d, rlplane::digest::digest_bytes(&host[..len as usize]), "rlp_digest_words over {len} bytes");
+    // The digest kernel: many regions in one launch — strided with odd widths, strided whole
+    // words, contiguous with a partial last word, unaligned, empty — every block and a sample.
+    use rlplane::digest::{Sampling, digest_region};
+    use rlplane::gpu::DigestRegion;
+    let big = gpu.alloc(1 << 20).unwrap();
+    let mut host_big = vec![0u8; 1 << 20];
+    rlplane::digest::fill(&mut host_big, seed, 0);
+    big.copy_from_host(0, &host_big).unwrap();
+    let shapes: [(u64, u64, u64, u64); 7] = [
+        (off, rows, width, pitch),  // in the small buffer: strided, odd
+        (8, 300, 512, 1024),        // strided whole words
+        (0, 1, 1003, 1003),         // contiguous, partial last word
+        (3, 1, 70_001, 70_001),     // unaligned
+        (4096, 1, 0, 0),            // empty
+        (0, 1, 1 << 20, 1 << 20),   // contiguous, 256 blocks
+        (16, 100, 4096 + 24, 8192), // strided rows longer than a block
+    ];
+    for sampled in [false, true] {
+        let regions: Vec<DigestRegion> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(o, r, w, p))| DigestRegion {
+                addr: if i == 0 { buf.ptr() } else { big.ptr() } + o,
+                rows: r,
+                width: w,
+                pitch: p,
+                sampling: if sampled { Sampling::sampled(9, i as u64) } else { Sampling::FULL },
+            })
+            .collect();
+        let got = unsafe { gpu.digest_regions(&regions, &stream).unwrap() };
+        for (i, (r, &(o, rows, w, p))) in regions.iter().zip(&shapes).enumerate() {
+            let mem = if i == 0 { &host } else { &host_big };
+            assert_eq!(got[i], digest_region(mem, o, rows, w, p, r.sampling), "region {i} (sampled: {sampled})");
+        }
     }
-    eprintln!("GPU kernels agree with the CPU on strided and contiguous regions");
+    eprintln!("GPU kernels agree with the CPU on strided, contiguous, unaligned and empty regions, full and sampled");
 }
 
 #[test]

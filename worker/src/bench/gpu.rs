@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use rlplane_api::model::manifest_bytes;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
-use rlplane_api::spec::{Device, Mode, ModelSpec, RLJobSpec, RefitSource};
+use rlplane_api::spec::{Device, Mode, ModelSpec, RLJobSpec, RefitSource, RefitVerify};
 use rlplane_api::topology::{JobIdentity, build_plan};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -39,7 +39,7 @@ use crate::gpu::{DeviceBuffer, Gpu, GpuError, copy_async};
 use crate::refit::TransportKind as Kind;
 use crate::refit::{self, RefitPlan};
 use crate::roles::generation::segment_id;
-use crate::roles::refit_side::{self, Receiver, Sender, Weights};
+use crate::roles::refit_side::{self, Receiver, Sender, Side as VerifySide, Weights};
 
 /// GPU transports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -79,6 +79,9 @@ pub struct GpuBenchArgs {
     pub bin: Option<PathBuf>,
     /// spec.refit.timeoutSeconds.
     pub timeout_seconds: u32,
+    /// Also measure the refit check (`spec.refit.verify` Full and Sampled) on a receiver,
+    /// against one plain read of the model's bytes on its GPU.
+    pub verify: bool,
 }
 
 impl GpuBenchArgs {
@@ -97,6 +100,7 @@ impl GpuBenchArgs {
             json: None,
             bin: None,
             timeout_seconds: 120,
+            verify: true,
         }
     }
 
@@ -132,8 +136,10 @@ enum Op {
     Update { version: u64 },
     /// One refit (timed).
     Refit { version: u64 },
-    /// Digest of what this rank sends or holds.
-    Digest,
+    /// Digest of what this rank sends or holds, for `version` under `verify` (timed).
+    Digest { version: u64, verify: RefitVerify },
+    /// One read of `bytes` of device memory (timed): the read-bandwidth ceiling of the digest.
+    Read { bytes: u64 },
     /// One raw broadcast of `bytes` on communicator `group` (timed).
     Raw { group: String, bytes: u64 },
     /// One device-to-device copy of `bytes` (timed).
@@ -429,18 +435,8 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
                 t.push(timed(&r));
             }
         }
-        // Verify the last refit, outside the timed region.
-        let sent: u64 =
-            all(peers, &senders, |_| Op::Digest).await?.iter().fold(0u64, |a, r| a.wrapping_add(r.digest.unwrap_or(0)));
-        for (k, r) in all(peers, &receivers, |_| Op::Digest).await?.iter().enumerate() {
-            if r.digest != Some(sent) {
-                bail!(
-                    "{} received bytes that do not match what was sent ({:?} vs {sent:#x})",
-                    peers[receivers[k]].name,
-                    r.digest
-                );
-            }
-        }
+        // Verify every byte of the last refit, outside the timed region.
+        check_received(peers, &senders, &receivers, version, RefitVerify::Full).await?;
         all(peers, &everyone, |_| Op::Disconnect).await?;
         let name = match (transport, staged, args.tp > 1) {
             (GpuTransport::Nccl, _, true) => {
@@ -486,6 +482,31 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
         }
     }
 
+    // The refit check's cost (what `spec.refit.verify` adds to a refit), on the first receiver,
+    // against one plain read of the model's bytes on its GPU in the same run.
+    let mut verify_rows = Vec::new();
+    if args.verify {
+        let first = receivers[..1].to_vec();
+        let mut read = Vec::new();
+        for i in 0..args.warmup + iters {
+            let r = all(peers, &first, |_| Op::Read { bytes: model_bytes }).await?;
+            if i >= args.warmup {
+                read.push(timed(&r));
+            }
+        }
+        verify_rows.push(row("ceiling: one read of the model's bytes on a receiver's GPU", model_bytes, median(read)));
+        for verify in [RefitVerify::Full, RefitVerify::Sampled] {
+            let mut t = Vec::new();
+            for i in 0..args.warmup + iters {
+                let r = check_received(peers, &senders, &first, version, verify).await?;
+                if i >= args.warmup {
+                    t.push(r);
+                }
+            }
+            verify_rows.push(row(&format!("refit check, verify: {verify:?}, on a receiver"), model_bytes, median(t)));
+        }
+    }
+
     // Ratios.
     let ceiling = rows[0].gbps;
     let mut ratio_rows = Vec::new();
@@ -520,8 +541,53 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
             gbps: rows[3].secs / ours,
         });
     }
+    if let [read, full, sampled] = &verify_rows[..] {
+        let refit = rows[1].secs;
+        ratio_rows.push(Row {
+            what: "  ratio: verify Full's GB/s ÷ the GPU's read GB/s".into(),
+            bytes: 0,
+            secs: 0.0,
+            gbps: full.gbps / read.gbps,
+        });
+        for (r, name) in [(full, "Full"), (sampled, "Sampled")] {
+            ratio_rows.push(Row {
+                what: format!("  ratio: verify {name} ÷ the refit it checks ({})", short(&rows[1].what)),
+                bytes: 0,
+                secs: 0.0,
+                gbps: r.secs / refit,
+            });
+        }
+    }
+    rows.extend(verify_rows);
     rows.extend(ratio_rows);
     Ok(rows)
+}
+
+/// Has the senders digest version `version` and every receiver in `receivers` digest what it
+/// holds, under `verify`; fails naming a receiver whose digest differs. Returns the slowest
+/// receiver's digest time.
+async fn check_received(
+    peers: &mut [Peer],
+    senders: &[usize],
+    receivers: &[usize],
+    version: u64,
+    verify: RefitVerify,
+) -> anyhow::Result<f64> {
+    let sent = all(peers, senders, |_| Op::Digest { version, verify })
+        .await?
+        .iter()
+        .fold(0u64, |a, r| a.wrapping_add(r.digest.unwrap_or(0)));
+    let got = all(peers, receivers, |_| Op::Digest { version, verify }).await?;
+    for (k, r) in got.iter().enumerate() {
+        if r.digest != Some(sent) {
+            bail!(
+                "{} received bytes that do not match what was sent ({:?} vs {sent:#x}, verify {verify:?})",
+                peers[receivers[k]].name,
+                r.digest
+            );
+        }
+    }
+    Ok(got.iter().map(|r| r.secs).fold(0.0, f64::max))
 }
 
 /// Kills the (first) sender while a refit is on the wire and checks that every receiver fails
@@ -714,20 +780,32 @@ impl PeerState {
                 self.sync()?;
                 reply.secs = t.elapsed().as_secs_f64();
             }
-            Op::Digest => {
+            Op::Digest { version, verify } => {
+                let t = Instant::now();
                 let mut total = 0u64;
                 if self.is_sender {
                     let pos = match &self.side {
                         Some(Side::Sender { pos, .. }) => *pos,
                         _ => self.plan.refit_groups[0].senders.iter().position(|&s| s == self.me).unwrap_or(0),
                     };
-                    total = self.memory.digest(&self.plans[0], true, |i| segment_id(pos, i))?;
+                    let id = |i| segment_id(pos, i);
+                    total = self.memory.digest(&self.plans[0], VerifySide::Source, verify, version, id)?.unwrap_or(0);
                 } else {
                     for (pos, p) in self.plans.iter().enumerate() {
-                        total = total.wrapping_add(self.memory.digest(p, false, |i| segment_id(pos, i))?);
+                        let d =
+                            self.memory.digest(p, VerifySide::Destination, verify, version, |i| segment_id(pos, i))?;
+                        total = total.wrapping_add(d.unwrap_or(0));
                     }
                 }
+                reply.secs = t.elapsed().as_secs_f64();
                 reply.digest = Some(total);
+            }
+            Op::Read { bytes } => {
+                let ptr = self.flat("read", bytes)?;
+                let stream = self.gpu.stream().map_err(gerr)?;
+                self.sync()?;
+                // SAFETY: a buffer of `bytes` on this GPU (cuMemAlloc: 8-byte aligned).
+                reply.secs = unsafe { self.gpu.time_read(ptr, bytes, &stream) }.map_err(gerr)?;
             }
             Op::Raw { group, bytes } => {
                 let ptr = self.flat("raw", bytes)?;

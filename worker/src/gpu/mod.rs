@@ -22,6 +22,8 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result};
 
+use crate::digest::Sampling;
+
 /// Environment variable telling a rank which physical GPU its pod's slot 0 is (one machine runs
 /// every pod, so pods' GPU slots are laid out one after another).
 pub const GPU_BASE_ENV: &str = "RLPLANE_GPU_BASE";
@@ -154,6 +156,7 @@ pub fn library_path_with(dir: &Path) -> String {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     kernels: Arc<OnceLock<Result<Kernels, GpuError>>>,
+    scratch: Arc<std::sync::Mutex<Option<Scratch>>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -165,8 +168,8 @@ impl std::fmt::Debug for Gpu {
 #[derive(Clone, Copy)]
 struct Kernels {
     fill2d: sys::CUfunction,
-    digest2d: sys::CUfunction,
-    digest_words: sys::CUfunction,
+    digest_segments: sys::CUfunction,
+    read_words: sys::CUfunction,
 }
 
 // SAFETY: CUfunction handles are plain driver handles, valid in every thread once the module is
@@ -181,7 +184,7 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Gpu, GpuError> {
         catch("opening a GPU", || {
             let ctx = CudaContext::new(ordinal).map_err(|e| GpuError::driver(format!("opening GPU {ordinal}"), e))?;
-            Ok(Gpu { ctx, kernels: Arc::new(OnceLock::new()) })
+            Ok(Gpu { ctx, kernels: Arc::new(OnceLock::new()), scratch: Arc::default() })
         })
     }
 
@@ -284,8 +287,8 @@ impl Gpu {
                     };
                     Ok(Kernels {
                         fill2d: get("rlp_fill2d")?,
-                        digest2d: get("rlp_digest2d")?,
-                        digest_words: get("rlp_digest_words")?,
+                        digest_segments: get("rlp_digest_segments")?,
+                        read_words: get("rlp_read_words")?,
                     })
                 }
             })
@@ -323,42 +326,152 @@ impl Gpu {
             .map_err(|e| GpuError::driver("launching rlp_fill2d", e))
     }
 
-    /// Adds the word sums of a 2-D region (read row after row) into the u64 at `out`; the host
-    /// finishes the digest with [`finish_digest`].
+    /// Digests of `regions` (each as [`crate::digest::digest_region`] defines it, every block or
+    /// the blocks its [`Sampling`] draws), read by this GPU in one kernel launch on `stream`;
+    /// returns when they are on the host.
     ///
     /// # Safety
-    /// `base` must cover the region and `out` must be a device u64, both reachable from this GPU.
-    pub unsafe fn digest2d(
-        &self,
-        stream: &CudaStream,
-        base: CUdeviceptr,
-        rows: u64,
-        width: u64,
-        pitch: u64,
-        out: CUdeviceptr,
-    ) -> Result<(), GpuError> {
-        if rows == 0 || width == 0 {
-            return Ok(());
-        }
-        let k = self.kernels()?;
-        let words = (rows * width).div_ceil(8);
-        let blocks = words.div_ceil(256).clamp(1, 1024) as u32;
-        if (rows == 1 || pitch == width) && base.is_multiple_of(8) {
-            // Contiguous and aligned: whole-word loads.
-            let mut args = [base, rows * width, out];
-            let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| a as *mut u64 as *mut c_void).collect();
-            // SAFETY: three u64 parameters, as the kernel declares; the region is contiguous.
-            return unsafe {
-                result::launch_kernel(k.digest_words, (blocks, 1, 1), (256, 1, 1), 0, stream.cu_stream(), &mut params)
+    /// Every region must be device memory readable from this GPU, valid until this returns.
+    pub unsafe fn digest_regions(&self, regions: &[DigestRegion], stream: &CudaStream) -> Result<Vec<u64>, GpuError> {
+        // The kernel's table: one row of seven u64 per non-empty region (kernels.cu's Region).
+        let mut table = Vec::with_capacity(regions.len() * 7);
+        let mut slots = Vec::with_capacity(regions.len());
+        let mut blocks = 0u64;
+        for r in regions {
+            let len = r.rows * r.width;
+            if len == 0 {
+                slots.push(None);
+                continue;
             }
-            .map_err(|e| GpuError::driver("launching rlp_digest_words", e));
+            slots.push(Some(table.len() / 7));
+            table.extend([r.addr, r.rows, r.width, r.pitch, r.sampling.mask(), r.sampling.salt(), blocks]);
+            blocks += len.div_ceil(crate::digest::VERIFY_BLOCK);
         }
-        let mut args = [base, rows, width, pitch, out];
-        let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| a as *mut u64 as *mut c_void).collect();
-        // SAFETY: five u64 parameters, as the kernel declares.
-        unsafe { result::launch_kernel(k.digest2d, (blocks, 1, 1), (256, 1, 1), 0, stream.cu_stream(), &mut params) }
-            .map_err(|e| GpuError::driver("launching rlp_digest2d", e))
+        let count = table.len() / 7;
+        let mut sums = vec![0u64; count];
+        if count > 0 {
+            let k = self.kernels()?;
+            let scratch = self.scratch(table.len() * 8 + count * 8)?;
+            let base = scratch.as_ref().expect("allocated").ptr;
+            let (table_ptr, out_ptr) = (base, base + table.len() as u64 * 8);
+            let bytes: Vec<u8> = table.iter().flat_map(|w| w.to_le_bytes()).collect();
+            // SAFETY: the table fits the scratch buffer (sized for table and sums); `bytes` outlives
+            // the copy (the stream is synchronized below). On the kernel's stream, so it is ordered.
+            unsafe { result::memcpy_htod_async(table_ptr, &bytes, stream.cu_stream()) }
+                .map_err(|e| GpuError::driver("copying the digest table to the GPU", e))?;
+            // SAFETY: the out slots lie in the scratch buffer, after the table.
+            unsafe { result::memset_d8_async(out_ptr, 0, count * 8, stream.cu_stream()) }
+                .map_err(|e| GpuError::driver("cuMemsetD8Async", e))?;
+            let ctas = blocks.clamp(1, DIGEST_CTAS) as u32;
+            let mut count_arg = count as u32;
+            let (mut t, mut b, mut o) = (table_ptr, blocks, out_ptr);
+            let mut params: Vec<*mut c_void> = vec![
+                &mut t as *mut u64 as *mut c_void,
+                &mut count_arg as *mut u32 as *mut c_void,
+                &mut b as *mut u64 as *mut c_void,
+                &mut o as *mut u64 as *mut c_void,
+            ];
+            // SAFETY: the parameters match the kernel's signature (u64, u32, u64, u64); the table
+            // describes memory the caller vouches for.
+            unsafe {
+                result::launch_kernel(k.digest_segments, (ctas, 1, 1), (256, 1, 1), 0, stream.cu_stream(), &mut params)
+            }
+            .map_err(|e| GpuError::driver("launching rlp_digest_segments", e))?;
+            stream.synchronize().map_err(|e| GpuError::driver("waiting for the digest kernel", e))?;
+            let mut host = vec![0u8; count * 8];
+            // SAFETY: the sums lie in the scratch buffer; the kernel has finished.
+            unsafe { result::memcpy_dtoh_sync(&mut host, out_ptr) }
+                .map_err(|e| GpuError::driver("copying the digests from the GPU", e))?;
+            for (s, w) in sums.iter_mut().zip(host.chunks_exact(8)) {
+                *s = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+            }
+        }
+        Ok(regions
+            .iter()
+            .zip(slots)
+            .map(|(r, slot)| finish_digest(slot.map_or(0, |i| sums[i]), r.rows * r.width))
+            .collect())
     }
+
+    /// Reads the `len / 8` words at `base` once (a plain sum, no mixing) and returns the seconds
+    /// it took on `stream`: the read-bandwidth reference for the digest in `rlplane bench`.
+    ///
+    /// # Safety
+    /// `base` must be device memory of this GPU covering `len` bytes, 8-byte aligned.
+    pub unsafe fn time_read(&self, base: CUdeviceptr, len: u64, stream: &CudaStream) -> Result<f64, GpuError> {
+        let k = self.kernels()?;
+        let out = self.alloc(8)?;
+        out.memset(0, stream)?;
+        let (start, end) = (self.event(true)?, self.event(true)?);
+        start.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        let (mut b, mut l, mut o) = (base, len, out.ptr());
+        let mut params: Vec<*mut c_void> =
+            [&mut b, &mut l, &mut o].into_iter().map(|a| a as *mut u64 as *mut c_void).collect();
+        // SAFETY: three u64 parameters, as the kernel declares; the caller vouches for the region.
+        unsafe {
+            result::launch_kernel(k.read_words, (READ_CTAS, 1, 1), (256, 1, 1), 0, stream.cu_stream(), &mut params)
+        }
+        .map_err(|e| GpuError::driver("launching rlp_read_words", e))?;
+        end.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        end.synchronize().map_err(|e| GpuError::driver("waiting for the read kernel", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| GpuError::driver("reading an event", e))?;
+        Ok(ms as f64 / 1e3)
+    }
+
+    /// The digest's table and sums buffer, at least `bytes`, kept for the next call: a refit
+    /// check allocates (and frees, which synchronizes the device) nothing once warm.
+    fn scratch(&self, bytes: usize) -> Result<std::sync::MutexGuard<'_, Option<Scratch>>, GpuError> {
+        let mut slot = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.as_ref().is_none_or(|b| b.len < bytes) {
+            *slot = None;
+            self.bind()?;
+            let len = bytes.next_power_of_two().max(4096);
+            // SAFETY: plain allocation, freed by Scratch's Drop with this context current.
+            let ptr = unsafe { result::malloc_sync(len) }
+                .map_err(|e| GpuError::driver(format!("allocating {len} bytes on GPU {}", self.ordinal()), e))?;
+            *slot = Some(Scratch { ptr, len, ctx: self.ctx.clone() });
+        }
+        Ok(slot)
+    }
+}
+
+/// A device allocation a [`Gpu`] keeps for itself (holding the context, not the `Gpu`, so that
+/// no reference cycle keeps either alive).
+struct Scratch {
+    ptr: CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemAlloc on this context and not freed elsewhere.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Thread blocks of the digest kernel: each takes a contiguous range of the regions' 4 KiB
+/// blocks, enough of them to keep every SM of a large GPU busy.
+const DIGEST_CTAS: u64 = 2048;
+/// Thread blocks of the read-bandwidth kernel (grid-stride).
+const READ_CTAS: u32 = 2048;
+
+/// A region for [`Gpu::digest_regions`]: `rows` rows of `width` bytes, `pitch` apart from
+/// `addr`, read row after row, every block or a sample.
+#[derive(Clone, Copy, Debug)]
+pub struct DigestRegion {
+    /// Device address of the first byte.
+    pub addr: CUdeviceptr,
+    /// Rows.
+    pub rows: u64,
+    /// Bytes per row.
+    pub width: u64,
+    /// Bytes from one row's start to the next's.
+    pub pitch: u64,
+    /// Which blocks are read.
+    pub sampling: Sampling,
 }
 
 /// The base and size of the device allocation holding `ptr` (own, or mapped from another process).

@@ -1,11 +1,10 @@
 //! Weights in GPU memory: one `cuMemAlloc` allocation per tensor (as a trainer or an inference
 //! engine holding separate parameters has them), usable as a refit source or destination, plus the
-//! device-side versions of the synthetic update and the digests.
+//! device-side version of the synthetic update (the digests are `crate::refit::verify`'s).
 
 use cudarc::driver::CudaStream;
 
-use super::{DeviceBuffer, Gpu, GpuError, finish_digest};
-use crate::digest::segment_term;
+use super::{DeviceBuffer, Gpu, GpuError};
 use crate::refit::memory::{DestinationMemory, MemorySpace, Region, SourceMemory, StagingBuffer};
 use crate::refit::plan::{RefitPlan, Segment};
 
@@ -70,41 +69,6 @@ impl DeviceTensors {
             }
         }
         Ok(())
-    }
-
-    /// Sum of the segment terms of `plan`'s segments read on the source side (`source = true`) or
-    /// the destination side, with segment identities `id(i)` — the device version of what the
-    /// host roles compute with [`crate::digest::digest_strided`].
-    pub fn segment_digest(
-        &self,
-        plan: &RefitPlan,
-        source: bool,
-        id: impl Fn(usize) -> u64,
-        stream: &CudaStream,
-    ) -> Result<u64, GpuError> {
-        let n = plan.segments().len();
-        if n == 0 {
-            return Ok(0);
-        }
-        let sums = self.gpu.alloc(n * 8)?;
-        sums.memset(0, stream)?;
-        for (i, seg) in plan.segments().iter().enumerate() {
-            let buf = self.buffer(seg.tensor as usize).ok_or_else(|| missing(seg))?;
-            let (off, pitch) = if source { (seg.src_offset, seg.src_pitch) } else { (seg.dst_offset, seg.dst_pitch) };
-            // SAFETY: the region lies in the tensor's buffer; the sums buffer has a slot per segment.
-            unsafe {
-                self.gpu.digest2d(stream, buf.ptr() + off, seg.rows, seg.width, pitch, sums.ptr() + 8 * i as u64)?;
-            }
-        }
-        stream.synchronize().map_err(|e| GpuError::driver("waiting for the digest kernels", e))?;
-        let mut host = vec![0u8; n * 8];
-        sums.copy_to_host(0, &mut host)?;
-        let mut total = 0u64;
-        for (i, (seg, w)) in plan.segments().iter().zip(host.chunks_exact(8)).enumerate() {
-            let sum = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-            total = total.wrapping_add(segment_term(id(i), finish_digest(sum, seg.bytes())));
-        }
-        Ok(total)
     }
 }
 

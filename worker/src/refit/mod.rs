@@ -3,6 +3,7 @@
 //! - [`plan`]: the deterministic packing plan (pure), compared by hash at the handshake.
 //! - [`memory`]: source / destination memory traits, host buffers, the host copy thread.
 //! - [`stream`]: the engine: N-buffer pipelining, versions, timeouts, phase timings.
+//! - [`verify`]: the check of what a receiver holds against the senders (digests, full or sampled).
 //! - [`crate::transport`]: what carries the buckets (TCP now; NCCL and CUDA IPC next).
 //!
 //! This module also derives each member's streams (plans and relay routes) from the
@@ -11,6 +12,7 @@
 pub mod memory;
 pub mod plan;
 pub mod stream;
+pub mod verify;
 
 use std::sync::Arc;
 

@@ -14,7 +14,7 @@ use rlplane_api::TqPlacement;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
 use tracing::Instrument;
 
-use super::refit_side::{self, Receiver, Weights};
+use super::refit_side::{self, Receiver, Side, Weights};
 use super::{Rank, announce_ready, secs, serve_commands};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::metrics::RankMetrics;
@@ -195,17 +195,15 @@ impl Generation {
         if stats.version != version {
             anyhow::bail!("received weight version {} where the coordinator announced {version}", stats.version);
         }
-        // Check every byte against the senders' digests (outside the timed refit).
+        // Check what arrived against the senders' digests (outside the timed refit).
         let t = Instant::now();
-        let mut digest = 0u64;
-        for (pos, p) in self.plans.iter().enumerate() {
-            digest = digest.wrapping_add(self.weights.digest(p, false, |i| segment_id(pos, i))?);
-        }
+        let verify_policy = self.plan.refit.verify;
+        let digest = received_digest(&self.plans, |p, pos| {
+            self.weights.digest(p, Side::Destination, verify_policy, version, |i| segment_id(pos, i))
+        })?;
         let verify = secs(t);
-        if digest != expected {
-            anyhow::bail!(
-                "weights of version {version} do not match the trainer's digest ({digest:#018x} received, {expected:#018x} sent)"
-            );
+        if let Some(d) = digest {
+            check_digest(version, d, expected)?;
         }
         let held = self.receiver.state().current();
         if let Some(v) = held {
@@ -238,18 +236,26 @@ impl Generation {
         self.metrics.refit(&stats);
         super::trainer::refit_event(&stats);
         let t = Instant::now();
-        let mut digest = 0u64;
-        for (pos, p) in self.plans.iter().enumerate() {
-            digest = digest.wrapping_add(w.digest(p, false, |i| segment_id(pos, i))?);
-        }
+        let verify_policy = self.plan.refit.verify;
+        let digest = received_digest(&self.plans, |p, pos| {
+            w.digest(p, Side::Destination, verify_policy, version, |i| segment_id(pos, i))
+        });
         let verify = secs(t);
         drop(weights);
-        if digest != expected || stats.version != version {
-            link.set_held(crate::refit::WeightsState::Incomplete(version));
-            anyhow::bail!(
-                "weights of version {version} do not match the trainer's digest ({digest:#018x} received, {expected:#018x} sent)"
-            );
-        }
+        let checked = digest.and_then(|d| {
+            anyhow::ensure!(stats.version == version, "received weight version {} for {version}", stats.version);
+            if let Some(d) = d {
+                check_digest(version, d, expected)?;
+            }
+            Ok(d)
+        });
+        let digest = match checked {
+            Ok(d) => d,
+            Err(e) => {
+                link.set_held(crate::refit::WeightsState::Incomplete(version));
+                return Err(e);
+            }
+        };
         let held = self.receiver.state();
         link.set_held(held);
         if let Some(v) = held.current() {
@@ -259,13 +265,43 @@ impl Generation {
     }
 }
 
-/// A receiver's report of a refit: what it holds now, the digest it checked, its phases.
-fn refit_report(stats: &crate::refit::RefitStats, held: Option<u64>, digest: u64, busy: f64, verify: f64) -> Report {
+/// The digest of everything a receiver got from every sender of its group, `digest(plan, pos)`
+/// being one sender's (`None` when the job's `refit.verify` is `Off`).
+fn received_digest(
+    plans: &[Arc<RefitPlan>],
+    digest: impl Fn(&RefitPlan, usize) -> anyhow::Result<Option<u64>>,
+) -> anyhow::Result<Option<u64>> {
+    let mut total = None;
+    for (pos, p) in plans.iter().enumerate() {
+        if let Some(d) = digest(p, pos)? {
+            total = Some(total.unwrap_or(0u64).wrapping_add(d));
+        }
+    }
+    Ok(total)
+}
+
+/// Refuses weights whose digest differs from the senders'.
+fn check_digest(version: u64, received: u64, expected: u64) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        received == expected,
+        "weights of version {version} do not match the trainer's digest ({received:#018x} received, {expected:#018x} sent)"
+    );
+    Ok(())
+}
+
+/// A receiver's report of a refit: what it holds now, the digest it checked (if any), its phases.
+fn refit_report(
+    stats: &crate::refit::RefitStats,
+    held: Option<u64>,
+    digest: Option<u64>,
+    busy: f64,
+    verify: f64,
+) -> Report {
     Report {
         busy_secs: busy + verify,
         bytes: stats.bytes,
         version: held,
-        digest: Some(digest),
+        digest,
         phases: [
             ("transfer".to_string(), stats.transfer_secs),
             ("unpack".to_string(), stats.unpack_secs),

@@ -13,14 +13,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use rlplane_api::RefitVerify;
 use rlplane_api::plan::{RefitGroup, WorkerPlan};
 use tokio::time::Instant;
 
-use crate::digest::{digest_strided, fill, segment_term, tensor_seed};
+use crate::digest::{fill, tensor_seed};
 use crate::gpu::Gpu;
 use crate::gpu::tensors::DeviceTensors;
 use crate::net::JobAuth;
 use crate::refit::memory::{DestinationMemory, HostTensors, Region, SourceMemory};
+pub use crate::refit::verify::Side;
 use crate::refit::{
     self, RefitPlan, RefitReceiver, RefitSender, RefitStats, StreamConfig, TransportKind as Kind, WeightsState,
 };
@@ -103,24 +105,26 @@ impl Weights {
         Ok(())
     }
 
-    /// Sum of `plan`'s segment terms read on the source (`source`) or destination side.
-    pub fn digest(&self, plan: &RefitPlan, source: bool, id: impl Fn(usize) -> u64) -> anyhow::Result<u64> {
-        match self {
-            Weights::Host(h) => {
-                let mut total = 0u64;
-                for (i, seg) in plan.segments().iter().enumerate() {
-                    let (off, pitch) =
-                        if source { (seg.src_offset, seg.src_pitch) } else { (seg.dst_offset, seg.dst_pitch) };
-                    let d = digest_strided(h.tensor(seg.tensor as usize), off, seg.rows, seg.width, pitch);
-                    total = total.wrapping_add(segment_term(id(i), d));
-                }
-                Ok(total)
-            }
-            Weights::Device(d) => {
-                let stream = d.gpu().stream()?;
-                Ok(d.segment_digest(plan, source, id, &stream)?)
-            }
-        }
+    /// The refit check's digest of `plan`'s segments on `side` for `version` under `verify`
+    /// (`None` when verification is off): see [`refit::verify::plan_digest`].
+    pub fn digest(
+        &self,
+        plan: &RefitPlan,
+        side: Side,
+        verify: RefitVerify,
+        version: u64,
+        id: impl Fn(usize) -> u64,
+    ) -> anyhow::Result<Option<u64>> {
+        let region = |t: u32| {
+            SourceMemory::source_region(self, t as usize)
+                .with_context(|| format!("tensor {t} has no buffer but the plan has a segment of it"))
+        };
+        let gpu = match self {
+            Weights::Host(_) => None,
+            Weights::Device(d) => Some(d.gpu()),
+        };
+        // SAFETY: the regions are this object's own buffers, not written while it is borrowed.
+        unsafe { refit::verify::plan_digest(plan, side, verify, version, id, region, gpu) }
     }
 }
 

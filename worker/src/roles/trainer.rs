@@ -11,12 +11,12 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use rlplane_api::TqFetch;
 use rlplane_api::plan::{ProcessRole, TrainerCoords, WorkerPlan};
+use rlplane_api::{RefitVerify, TqFetch};
 use tracing::Instrument;
 
 use super::generation::segment_id;
-use super::refit_side::{self, Sender, Weights};
+use super::refit_side::{self, Sender, Side, Weights};
 use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::digest::Digest;
@@ -49,6 +49,8 @@ struct Trainer {
     user: Option<Link>,
     /// How long the rank waits for the user's process (the coordinator's bound on a command).
     timeout: std::time::Duration,
+    /// How receivers check each refit (`spec.refit.verify`): what this sender digests.
+    verify: RefitVerify,
 }
 
 /// Runs trainer rank `me`.
@@ -152,7 +154,8 @@ pub async fn run(
     };
     let tq = TqClient::new(ClientConfig::from_plan(plan, me, auth)?, None)?;
     let timeout = std::time::Duration::from_secs(plan.refit.timeout_seconds as u64);
-    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics, user, timeout };
+    let verify = plan.refit.verify;
+    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics, user, timeout, verify };
     let served = serve_commands(&mut control, &mut rank, &plan.job.token).await;
     super::end_user_session(rank.user.as_ref(), &served).await;
     served
@@ -288,8 +291,12 @@ impl Trainer {
             let t = Instant::now();
             let weights = link.weights().await;
             let w = weights.as_ref().context("the trainer process published without registered weights")?;
+            // The senders' digest of the version, computed once here whatever the number of
+            // receivers; each receiver's check compares with it.
             let digest = match &self.sender {
-                Some((_, pos)) => Some(w.digest(&self.shard_plan, true, |i| segment_id(*pos, i))?),
+                Some((_, pos)) => {
+                    w.digest(&self.shard_plan, Side::Source, self.verify, version, |i| segment_id(*pos, i))?
+                }
                 None => {
                     // Nothing to send from this rank: its publish is done once recorded.
                     link.refit_finished(
@@ -309,9 +316,12 @@ impl Trainer {
             });
         }
         self.shard.update(&self.shard_plan, seed)?;
-        // Senders report the digest of what they will send; the receivers must match it.
+        // Senders report the digest of what they will send (once per version, whatever the number
+        // of receivers); the receivers must match it.
         let digest = match &self.sender {
-            Some((_, pos)) => Some(self.shard.digest(&self.shard_plan, true, |i| segment_id(*pos, i))?),
+            Some((_, pos)) => {
+                self.shard.digest(&self.shard_plan, Side::Source, self.verify, step as u64, |i| segment_id(*pos, i))?
+            }
             None => None,
         };
         Ok(Report { busy_secs: secs(t), digest, bytes: self.shard.total_bytes(), ..Default::default() })

@@ -6,15 +6,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
+use rlplane_api::RefitVerify;
 use rlplane_api::model::TensorSpec;
 use serde_json::{Value, json};
 
 use super::protocol::{ApiError, ErrorKind, MemoryDesc, TensorReg, handle_hex, invalid, parse_handle};
-use crate::digest::{digest_strided, segment_term};
 use crate::gpu::tensors::DeviceTensors;
-use crate::gpu::{Gpu, IpcHandle, IpcMapping, finish_digest};
+use crate::gpu::{Gpu, IpcHandle, IpcMapping};
 use crate::refit::memory::{DestinationMemory, MemorySpace, Region, SourceMemory};
 use crate::refit::plan::RefitPlan;
+use crate::refit::verify::{Side, plan_digest};
 use crate::shm::SharedFile;
 
 /// Which memory the rank's refit transport moves.
@@ -277,9 +278,16 @@ impl UserWeights {
         &self.imported
     }
 
-    /// Sum of `plan`'s segment terms read on the source (`source`) or destination side, as the
-    /// synthetic roles compute it (the receivers' check compares the two).
-    pub fn digest(&self, plan: &RefitPlan, source: bool, id: impl Fn(usize) -> u64) -> anyhow::Result<u64> {
+    /// The refit check's digest of `plan`'s segments on `side` for `version` under `verify`, as
+    /// the synthetic roles compute it (the receivers' check compares the two).
+    pub fn digest(
+        &self,
+        plan: &RefitPlan,
+        side: Side,
+        verify: RefitVerify,
+        version: u64,
+        id: impl Fn(usize) -> u64,
+    ) -> anyhow::Result<Option<u64>> {
         let region = |t: u32| {
             self.regions
                 .get(t as usize)
@@ -287,49 +295,9 @@ impl UserWeights {
                 .flatten()
                 .ok_or_else(|| anyhow::anyhow!("tensor {} is not registered but the plan has a segment of it", t))
         };
-        let segs = plan.segments();
-        match &self.gpu {
-            Some(gpu) if self.regions.iter().flatten().any(|r| r.space != MemorySpace::Host) => {
-                if segs.is_empty() {
-                    return Ok(0);
-                }
-                let stream = gpu.stream()?;
-                let sums = gpu.alloc(segs.len() * 8)?;
-                sums.memset(0, &stream)?;
-                for (i, seg) in segs.iter().enumerate() {
-                    let r = region(seg.tensor)?;
-                    let (off, pitch) =
-                        if source { (seg.src_offset, seg.src_pitch) } else { (seg.dst_offset, seg.dst_pitch) };
-                    // SAFETY: the plan's extents were checked against the registered shapes; the
-                    // sums buffer has a slot per segment.
-                    unsafe {
-                        gpu.digest2d(&stream, r.addr + off, seg.rows, seg.width, pitch, sums.ptr() + 8 * i as u64)?
-                    };
-                }
-                stream.synchronize().map_err(|e| anyhow::anyhow!("waiting for the digest kernels: {e}"))?;
-                let mut host = vec![0u8; segs.len() * 8];
-                sums.copy_to_host(0, &mut host)?;
-                let mut total = 0u64;
-                for (i, (seg, w)) in segs.iter().zip(host.chunks_exact(8)).enumerate() {
-                    let sum = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-                    total = total.wrapping_add(segment_term(id(i), finish_digest(sum, seg.bytes())));
-                }
-                Ok(total)
-            }
-            _ => {
-                let mut total = 0u64;
-                for (i, seg) in segs.iter().enumerate() {
-                    let r = region(seg.tensor)?;
-                    // SAFETY: a live mapping of this registration; read while no refit runs.
-                    let bytes = unsafe { r.as_slice() };
-                    let (off, pitch) =
-                        if source { (seg.src_offset, seg.src_pitch) } else { (seg.dst_offset, seg.dst_pitch) };
-                    let d = digest_strided(bytes, off, seg.rows, seg.width, pitch);
-                    total = total.wrapping_add(segment_term(id(i), d));
-                }
-                Ok(total)
-            }
-        }
+        // SAFETY: live mappings of this registration, read while no refit writes them (the user
+        // process promises not to write its registered tensors while a publish is under way).
+        unsafe { plan_digest(plan, side, verify, version, id, region, self.gpu.as_ref()) }
     }
 }
 
