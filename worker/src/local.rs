@@ -19,7 +19,7 @@ use anyhow::Context;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use rlplane_api::plan::WorkerPlan;
 use rlplane_api::topology::{Addressing, JobIdentity, build_plan};
-use rlplane_api::{Device, RefitTransport, load_rljob};
+use rlplane_api::{Device, RefitTransport, RefitVerify, load_rljob};
 use serde::Serialize;
 
 use crate::coordinator::{self, Observer, Progress, RunRecord, Summary};
@@ -51,6 +51,27 @@ impl From<TransportArg> for RefitTransport {
     }
 }
 
+/// Refit verification on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum VerifyArg {
+    /// Every byte of every refit.
+    Full,
+    /// A sample drawn afresh for every version.
+    Sampled,
+    /// No digest.
+    Off,
+}
+
+impl From<VerifyArg> for RefitVerify {
+    fn from(v: VerifyArg) -> Self {
+        match v {
+            VerifyArg::Full => RefitVerify::Full,
+            VerifyArg::Sampled => RefitVerify::Sampled,
+            VerifyArg::Off => RefitVerify::Off,
+        }
+    }
+}
+
 /// Arguments of `rlplane local`.
 #[derive(Debug, clap::Args)]
 pub struct LocalArgs {
@@ -59,6 +80,9 @@ pub struct LocalArgs {
     /// Refit transport, overriding spec.refit.transport.
     #[arg(long, value_enum)]
     pub transport: Option<TransportArg>,
+    /// Refit verification, overriding spec.refit.verify.
+    #[arg(long, value_enum)]
+    pub verify: Option<VerifyArg>,
     /// Also write the summary as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -160,6 +184,9 @@ pub fn main(args: LocalArgs) -> ExitCode {
     };
     if let Some(t) = args.transport {
         job.spec.refit.transport = t.into();
+    }
+    if let Some(v) = args.verify {
+        job.spec.refit.verify = v.into();
     }
     if let Some(s) = args.steps {
         if s == 0 {
