@@ -18,7 +18,8 @@ const HARNESS: &str = r#"
 #include <vector>
 #include "kernels.cu"
 // argv: data file. stdin: "digest CTAS N" then N lines "offset rows width pitch mask salt",
-// or "fill ROWS WIDTH PITCH SEED FULL_OFFSET FULL_PITCH GX GY". Prints the sums / the bytes.
+// "copy CTAS N" then N lines "dst src len" (offsets in the file), or
+// "fill ROWS WIDTH PITCH SEED FULL_OFFSET FULL_PITCH GX GY". Prints the sums / the bytes.
 int main(int argc, char **argv) {
   FILE *f = fopen(argv[1], "rb");
   fseek(f, 0, SEEK_END);
@@ -45,6 +46,21 @@ int main(int argc, char **argv) {
     for (rlp_ctaid_x = 0; rlp_ctaid_x < ctas; rlp_ctaid_x++)
       for (rlp_tid = 0; rlp_tid < THREADS; rlp_tid++) rlp_digest_segments(r.data(), count, total, out.data());
     for (int i = 0; i < count; i++) printf("%llu\n", (unsigned long long)out[i]);
+  } else if (what[0] == 'c') {
+    unsigned ctas; int count;
+    if (scanf("%u %d", &ctas, &count) != 2) return 2;
+    SpanTable t = {};
+    for (int i = 0; i < count; i++) {
+      unsigned long long dst, src, len;
+      if (scanf("%llu %llu %llu", &dst, &src, &len) != 3) return 2;
+      t.spans[t.count] = Span{(u64)(uintptr_t)(data.data() + dst), (u64)(uintptr_t)(data.data() + src), len, t.total_chunks};
+      t.count++;
+      t.total_chunks += (len + COPY_CHUNK - 1) / COPY_CHUNK;
+    }
+    rlp_nctaid_x = ctas; rlp_nctaid_y = 1;
+    for (rlp_ctaid_x = 0; rlp_ctaid_x < ctas; rlp_ctaid_x++)
+      for (rlp_tid = 0; rlp_tid < THREADS; rlp_tid++) rlp_copy_spans(t);
+    fwrite(data.data(), 1, n, stdout);
   } else {
     unsigned long long rows, width, pitch, seed, full_offset, full_pitch; unsigned gx, gy;
     if (scanf("%llu %llu %llu %llu %llu %llu %u %u", &rows, &width, &pitch, &seed, &full_offset, &full_pitch, &gx, &gy) != 8) return 2;
@@ -174,4 +190,46 @@ fn the_fill_kernel_writes_what_digest_fill_defines() {
         fill(&mut expected[at..at + width as usize], seed, full_off + r * full_pitch);
     }
     assert_eq!(got, expected, "rlp_fill2d writes what digest::fill defines");
+}
+
+#[test]
+fn the_copy_kernel_copies_every_span_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = harness(dir.path()) else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+    let size = 1usize << 20;
+    for trial in 0..8 {
+        let bytes: Vec<u8> = (0..size).map(|_| rng.random()).collect();
+        let data = dir.path().join("data.bin");
+        std::fs::write(&data, &bytes).unwrap();
+        // Sources in the first half, destinations in the second: disjoint spans, some aligned to
+        // 16 bytes (the vector path), some not, some longer than a 64 KiB chunk, one empty.
+        let half = size as u64 / 2;
+        let mut spans = Vec::new();
+        let mut at = 0u64;
+        while spans.len() < 12 && at < half - 1000 {
+            let len = match rng.random_range(0..4) {
+                0 => rng.random_range(1..100u64),
+                1 => 16 * rng.random_range(1..5000u64),
+                2 => 0,
+                _ => rng.random_range(65_536..150_000u64),
+            }
+            .min(half - at - 64);
+            let (src, dst) = if rng.random() { (at, half + at) } else { (at + 3, half + at + 7) };
+            spans.push((dst, src, len));
+            at += len + 64;
+        }
+        let ctas = [1u32, 5, 64][trial % 3];
+        let mut input = format!("copy {ctas} {}\n", spans.len());
+        for (d, s, l) in &spans {
+            input += &format!("{d} {s} {l}\n");
+        }
+        let got = run(&exe, &data, &input);
+        let mut expected = bytes.clone();
+        for &(d, s, l) in &spans {
+            let (d, s, l) = (d as usize, s as usize, l as usize);
+            expected.copy_within(s..s + l, d);
+        }
+        assert!(got == expected, "trial {trial}: the copies differ from {spans:?} ({ctas} thread blocks)");
+    }
 }

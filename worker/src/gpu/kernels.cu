@@ -8,6 +8,8 @@
 //                      launch, every 4 KiB block or a sample of them.
 // rlp_read_words:      a plain read of a buffer (a sum of its words): the memory-read ceiling the
 //                      digest's speed is compared with in `rlplane bench refit`.
+// rlp_copy_spans:      many device-to-device copies in one launch (a colocated refit's bucket):
+//                      one launch instead of one driver call and one small kernel per tensor.
 //
 // mix64 is splitmix64's finalizer; GOLDEN = 0x9E3779B97F4A7C15.
 
@@ -196,4 +198,61 @@ KERNEL void rlp_read_words(const u64 *base, u64 len, u64 *out) {
   u64 acc = 0;
   for (u64 k = (u64)ctaid_x() * THREADS + tid(); k < words; k += (u64)nctaid_x() * THREADS) acc += base[k];
   flush(acc, out, 0);
+}
+
+// Copies: up to COPY_SPANS spans per launch, passed by value (kernel parameters, no table in
+// device memory to manage). `first_chunk` is the span's first COPY_CHUNK-byte chunk among all
+// spans' chunks. The layout of crate::gpu::SpanTable.
+#define COPY_SPANS 120
+#define COPY_CHUNK 65536ull
+struct Span {
+  u64 dst;
+  u64 src;
+  u64 len;
+  u64 first_chunk;
+};
+struct SpanTable {
+  u64 count;
+  u64 total_chunks;
+  Span spans[COPY_SPANS];
+};
+#ifdef RLP_HOST_EMULATION
+struct v4 { u32 x, y, z, w; };  // (emulation.h erases attributes)
+#else
+typedef u32 v4 __attribute__((ext_vector_type(4)));
+#endif
+
+// Each thread block takes a contiguous range of all spans' chunks; within a chunk, threads move
+// 16-byte vectors (four loads in flight before their stores) when both ends are 16-byte aligned,
+// bytes otherwise.
+KERNEL void rlp_copy_spans(SpanTable t) {
+  u64 per = (t.total_chunks + nctaid_x() - 1) / nctaid_x();
+  u64 lo = (u64)ctaid_x() * per;
+  u64 hi = lo + per < t.total_chunks ? lo + per : t.total_chunks;
+  if (lo >= hi) return;
+  u32 s = 0;
+  while (s + 1 < t.count && t.spans[s + 1].first_chunk <= lo) s++;
+  for (u64 c = lo; c < hi; c++) {
+    while (s + 1 < t.count && t.spans[s + 1].first_chunk <= c) s++;
+    const Span &p = t.spans[s];
+    u64 c0 = (c - p.first_chunk) * COPY_CHUNK;
+    u64 c1 = c0 + COPY_CHUNK < p.len ? c0 + COPY_CHUNK : p.len;
+    u64 done = c0;
+    if (((p.dst | p.src | c0) & 15) == 0) {
+      const GLOBAL v4 *src = (const GLOBAL v4 *)(p.src + c0);
+      GLOBAL v4 *dst = (GLOBAL v4 *)(p.dst + c0);
+      u64 n = (c1 - c0) / 16;
+      u64 i = tid();
+      for (; i + 3 * THREADS < n; i += 4 * THREADS) {
+        v4 a = src[i], b = src[i + THREADS], x = src[i + 2 * THREADS], y = src[i + 3 * THREADS];
+        dst[i] = a;
+        dst[i + THREADS] = b;
+        dst[i + 2 * THREADS] = x;
+        dst[i + 3 * THREADS] = y;
+      }
+      for (; i < n; i += THREADS) dst[i] = src[i];
+      done = c0 + n * 16;
+    }
+    for (u64 j = done + tid(); j < c1; j += THREADS) *(GLOBAL u8 *)(p.dst + j) = *(const GLOBAL u8 *)(p.src + j);
+  }
 }

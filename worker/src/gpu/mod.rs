@@ -170,6 +170,7 @@ struct Kernels {
     fill2d: sys::CUfunction,
     digest_segments: sys::CUfunction,
     read_words: sys::CUfunction,
+    copy_spans: sys::CUfunction,
 }
 
 // SAFETY: CUfunction handles are plain driver handles, valid in every thread once the module is
@@ -289,6 +290,7 @@ impl Gpu {
                         fill2d: get("rlp_fill2d")?,
                         digest_segments: get("rlp_digest_segments")?,
                         read_words: get("rlp_read_words")?,
+                        copy_spans: get("rlp_copy_spans")?,
                     })
                 }
             })
@@ -393,6 +395,41 @@ impl Gpu {
             .collect())
     }
 
+    /// Copies every `(dst, src, len)` span on `stream` with one kernel launch per
+    /// [`COPY_SPANS`] spans (`rlp_copy_spans`): a colocated refit's bucket in one launch instead
+    /// of a driver call and a small copy kernel per tensor.
+    ///
+    /// # Safety
+    /// Every span must be device memory of (or mapped into) this GPU's context, `src` readable and
+    /// `dst` writable for `len` bytes until the work on `stream` completes.
+    pub unsafe fn copy_spans(
+        &self,
+        spans: &[(CUdeviceptr, CUdeviceptr, u64)],
+        stream: &CudaStream,
+    ) -> Result<(), GpuError> {
+        let k = self.kernels()?;
+        for batch in spans.chunks(COPY_SPANS) {
+            let mut t = SpanTable { count: 0, total_chunks: 0, spans: [[0; 4]; COPY_SPANS] };
+            for &(dst, src, len) in batch.iter().filter(|s| s.2 > 0) {
+                t.spans[t.count as usize] = [dst, src, len, t.total_chunks];
+                t.count += 1;
+                t.total_chunks += len.div_ceil(COPY_CHUNK);
+            }
+            if t.count == 0 {
+                continue;
+            }
+            let ctas = t.total_chunks.min(COPY_CTAS) as u32;
+            let mut params = [&mut t as *mut SpanTable as *mut c_void];
+            // SAFETY: the one parameter is the kernel's SpanTable, laid out alike (#[repr(C)]);
+            // the caller vouches for the spans.
+            unsafe {
+                result::launch_kernel(k.copy_spans, (ctas, 1, 1), (256, 1, 1), 0, stream.cu_stream(), &mut params)
+            }
+            .map_err(|e| GpuError::driver("launching rlp_copy_spans", e))?;
+        }
+        Ok(())
+    }
+
     /// Reads the `len / 8` words at `base` once (a plain sum, no mixing) and returns the seconds
     /// it took on `stream`: the read-bandwidth reference for the digest in `rlplane bench`.
     ///
@@ -455,6 +492,21 @@ impl Drop for Scratch {
 /// Thread blocks of the digest kernel: each takes a contiguous range of the regions' 4 KiB
 /// blocks, enough of them to keep every SM of a large GPU busy.
 const DIGEST_CTAS: u64 = 2048;
+/// Spans per `rlp_copy_spans` launch (its parameter table, under the 4 KiB kernel parameter limit).
+pub const COPY_SPANS: usize = 120;
+/// Bytes of a span one thread block copies at a time (kernels.cu's COPY_CHUNK).
+const COPY_CHUNK: u64 = 65536;
+/// Most thread blocks of a copy launch (each takes a contiguous range of chunks).
+const COPY_CTAS: u64 = 4096;
+
+/// kernels.cu's SpanTable: `[dst, src, len, first_chunk]` per span.
+#[repr(C)]
+struct SpanTable {
+    count: u64,
+    total_chunks: u64,
+    spans: [[u64; 4]; COPY_SPANS],
+}
+
 /// Thread blocks of the read-bandwidth kernel (grid-stride).
 const READ_CTAS: u32 = 2048;
 
