@@ -20,16 +20,24 @@ if want tests; then
   timeout 200 "$dir/gpu-tests" --test-threads 1 --nocapture 2>&1 | grep -E "SKIPPED|test result|panicked|agree|^test |refit over" | head -40
 fi
 llama="--model llama3-8b --bucket-bytes 1073741824 --buffers 2 --iters 10"
+# Each colocated bench twice: a bucket's copies as one kernel launch (the default), and as one
+# driver copy per tensor (RLPLANE_IPC_COPY=driver, as before), alternating.
 if want bench; then
   for run in 1 2; do
-    step "colocated refit of Llama-3-8B with the refit check's cost, run $run"
-    timeout 150 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 $llama
+    for copies in kernel driver; do
+      step "colocated refit of Llama-3-8B with the refit check's cost, $copies copies, run $run"
+      RLPLANE_IPC_COPY=$copies timeout 150 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 $llama
+    done
   done
 fi
 if want small; then
-  step "colocated refit of a small model: the fixed cost per refit"
-  timeout 100 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 --model qwen3-0.6b \
-    --bucket-bytes 1073741824 --buffers 2 --iters 20
+  for model in qwen3-0.6b tiny; do
+    for copies in kernel driver; do
+      step "colocated refit of a small model ($model): the fixed cost per refit, $copies copies"
+      RLPLANE_IPC_COPY=$copies timeout 100 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 \
+        --model $model --bucket-bytes 1073741824 --buffers 2 --iters 20
+    done
+  done
 fi
 if want local; then
   for v in full sampled off; do

@@ -769,16 +769,24 @@ impl PeerState {
             Op::Refit { version } => {
                 self.sync()?;
                 let t = Instant::now();
-                match self.side.as_mut().context("not connected")? {
-                    Side::Sender { sender, .. } => {
-                        sender.send(version, &self.memory).await?;
-                    }
-                    Side::Receiver(r) => {
-                        r.receive(&mut self.memory).await?;
-                    }
-                }
+                let stats = match self.side.as_mut().context("not connected")? {
+                    Side::Sender { sender, .. } => sender.send(version, &self.memory).await?,
+                    Side::Receiver(r) => r.receive(&mut self.memory).await?,
+                };
                 self.sync()?;
                 reply.secs = t.elapsed().as_secs_f64();
+                // Where a refit's time goes (RLPLANE_LOG=debug): the fixed part is begin + end and
+                // what transfer spends beyond the copies.
+                tracing::debug!(
+                    version,
+                    secs = reply.secs,
+                    begin = stats.begin_secs,
+                    transfer = stats.transfer_secs,
+                    end = stats.end_secs,
+                    wait = stats.buffer_wait_secs,
+                    buckets = stats.buckets,
+                    "refit timed"
+                );
             }
             Op::Digest { version, verify } => {
                 let t = Instant::now();
