@@ -777,16 +777,7 @@ impl PeerState {
                 reply.secs = t.elapsed().as_secs_f64();
                 // Where a refit's time goes (RLPLANE_LOG=debug): the fixed part is begin + end and
                 // what transfer spends beyond the copies.
-                tracing::debug!(
-                    version,
-                    secs = reply.secs,
-                    begin = stats.begin_secs,
-                    transfer = stats.transfer_secs,
-                    end = stats.end_secs,
-                    wait = stats.buffer_wait_secs,
-                    buckets = stats.buckets,
-                    "refit timed"
-                );
+                crate::roles::trainer::refit_event(&stats);
             }
             Op::Digest { version, verify } => {
                 let t = Instant::now();

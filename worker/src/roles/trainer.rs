@@ -387,10 +387,12 @@ pub(crate) fn refit_event(stats: &refit::RefitStats) {
         bytes = stats.bytes,
         buckets = stats.buckets,
         total_s = stats.total_secs,
+        begin_s = stats.begin_secs,
         pack_s = stats.pack_secs,
         transfer_s = stats.transfer_secs,
         unpack_s = stats.unpack_secs,
         buffer_wait_s = stats.buffer_wait_secs,
+        end_s = stats.end_secs,
         "refit done"
     );
 }
