@@ -2,10 +2,14 @@
 //!
 //! Every rank holds one TCP connection to the coordinator's control port, opened with the shared
 //! token handshake ([`crate::net`], magic `RCTL`). The coordinator sends [`Envelope`]s; a rank
-//! answers each with an immediate [`Reply::Ack`] (before doing the work) and later a
-//! [`Reply::Done`] or [`Reply::Failed`]. The acknowledgment's round trip is the *dispatch
-//! latency*: the cost of the control plane per message, reported by the summary (p50/p99). Frames
-//! are small JSON documents; bulk data never travels here.
+//! answers each with one [`Reply::Done`] or [`Reply::Failed`]. The done says when the rank read
+//! the command and how long it held it, so the coordinator measures the *dispatch latency* — the
+//! command's way to the rank (one way, on one host's clock) and the round trip (the answer's way
+//! back added, the rank's holding time taken out: any two hosts) — without a message of its own:
+//! an acknowledgment per command used to wake the coordinator once more per command, and on a
+//! host whose cores the ranks keep busy that cost as much step time as the commands themselves.
+//! Several commands for one rank may go out together; the rank runs them in order. Frames are
+//! small JSON documents; bulk data never travels here.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
@@ -88,7 +92,7 @@ pub fn update_seed(step: u32, shard_digests: &[u64]) -> u64 {
 pub struct Envelope {
     /// Sequence number, unique per connection.
     pub seq: u64,
-    /// Coordinator's send time ([`monotonic_ns`]), echoed in the ack.
+    /// Coordinator's send time ([`monotonic_ns`]).
     pub sent_ns: u64,
     /// The command.
     pub command: Command,
@@ -122,23 +126,20 @@ pub struct Report {
 pub enum Reply {
     /// The rank finished its set-up (rendezvous with its peers) and takes commands.
     Ready,
-    /// The command arrived (sent before executing it).
-    Ack {
-        /// Its sequence number.
-        seq: u64,
-        /// Its `sent_ns`, echoed.
-        sent_ns: u64,
-        /// When the rank read the command ([`monotonic_ns`]); comparable with `sent_ns` only
-        /// when both run on one host.
-        #[serde(default)]
-        recv_ns: u64,
-    },
     /// The command finished.
     Done {
         /// Its sequence number.
         seq: u64,
         /// What the rank measured.
         report: Report,
+        /// When the rank read the command ([`monotonic_ns`]); comparable with the envelope's
+        /// `sent_ns` only when both run on one host.
+        #[serde(default)]
+        recv_ns: u64,
+        /// Nanoseconds from reading the command to sending this (on the rank's clock): taken out
+        /// of the coordinator's send-to-done time, the rest is the way there and back.
+        #[serde(default)]
+        held_ns: u64,
     },
     /// The command failed.
     Failed {
@@ -280,18 +281,20 @@ pub struct ControlServer {
     writers: Vec<OwnedWriteHalf>,
     events: mpsc::UnboundedReceiver<Event>,
     next_seq: u64,
-    /// Round trips of every acknowledged command: send → the rank has it → its ack is back.
-    /// Commands sent while the rank was still busy with an earlier one (queued behind it) are
-    /// not timed: their acknowledgment waits for that work, not for the control plane.
+    /// Round trips of every command: send → the rank has it, plus its answer's way back (the
+    /// time the rank held the command taken out). Commands sent while the rank was still busy
+    /// with an earlier one (queued behind it) are not timed: they wait for that work, not for
+    /// the control plane.
     pub dispatch: Vec<Duration>,
     /// One way, send → the rank has it; meaningful only when the ranks share the coordinator's
     /// host (one clock), as in `rlplane local`.
     pub one_way: Vec<Duration>,
-    pending_cmd: HashMap<(usize, u64), &'static str>,
+    /// Every command sent and not finished: its name and send time ([`monotonic_ns`]).
+    pending_cmd: HashMap<(usize, u64), (&'static str, u64)>,
     /// Commands sent and not finished, per rank: a command sent while this is non-zero waits in
     /// the rank's queue.
     outstanding: Vec<u32>,
-    /// Commands sent behind another one: their acknowledgment is not timed.
+    /// Commands sent behind another one: their dispatch is not timed.
     queued: HashSet<(usize, u64)>,
     /// Reports of commands that finished while the coordinator waited for others.
     finished: HashMap<(usize, u64), Report>,
@@ -432,17 +435,17 @@ impl ControlServer {
                 let seq = self.next_seq;
                 self.next_seq += 1;
                 let name = command.name();
-                // A command sent while the rank is still busy waits in its queue: its ack would
-                // time that wait, not the control plane.
+                // A command sent while the rank is still busy waits in its queue: its timing
+                // would be that wait, not the control plane.
                 if self.outstanding[i] > 0 {
                     self.queued.insert((i, seq));
                 }
-                if !matches!(command, Command::Shutdown) {
+                let env = Envelope { seq, sent_ns: monotonic_ns(), command };
+                if !matches!(env.command, Command::Shutdown) {
                     self.outstanding[i] += 1;
-                    self.pending_cmd.insert((i, seq), name);
+                    self.pending_cmd.insert((i, seq), (name, env.sent_ns));
                     pending.0.push(Sent { rank: i, seq, command: name });
                 }
-                let env = Envelope { seq, sent_ns: monotonic_ns(), command };
                 let at = out.len();
                 out.extend_from_slice(&[0; 4]);
                 serde_json::to_writer(&mut out, &env).expect("commands serialize");
@@ -512,7 +515,7 @@ impl ControlServer {
                 Err(_) => {
                     let mut names: Vec<&str> = waiting.iter().map(|(i, _)| self.names[*i].as_str()).collect();
                     names.sort();
-                    let command = waiting.iter().find_map(|k| self.pending_cmd.get(k)).copied().unwrap_or("?");
+                    let command = waiting.iter().find_map(|k| self.pending_cmd.get(k)).map_or("?", |c| c.0);
                     return Err(ControlError::Timeout {
                         command: command.into(),
                         waiting: names.join(", "),
@@ -521,15 +524,12 @@ impl ControlServer {
                 }
             };
             match ev {
-                Event::Reply { rank, reply: Reply::Ack { seq, sent_ns, recv_ns }, at_ns } => {
-                    if !self.queued.remove(&(rank, seq)) {
-                        self.dispatch.push(Duration::from_nanos(at_ns.saturating_sub(sent_ns)));
+                Event::Reply { rank, reply: Reply::Done { seq, report, recv_ns, held_ns }, at_ns } => {
+                    let Some((_, sent_ns)) = self.pending_cmd.remove(&(rank, seq)) else { continue };
+                    if !self.queued.remove(&(rank, seq)) && recv_ns > 0 {
+                        let there_and_back = at_ns.saturating_sub(sent_ns).saturating_sub(held_ns);
+                        self.dispatch.push(Duration::from_nanos(there_and_back));
                         self.one_way.push(Duration::from_nanos(recv_ns.saturating_sub(sent_ns)));
-                    }
-                }
-                Event::Reply { rank, reply: Reply::Done { seq, report }, .. } => {
-                    if self.pending_cmd.remove(&(rank, seq)).is_none() {
-                        continue;
                     }
                     self.outstanding[rank] = self.outstanding[rank].saturating_sub(1);
                     if waiting.remove(&(rank, seq)) {
@@ -540,7 +540,7 @@ impl ControlServer {
                 }
                 Event::Reply { reply: Reply::Ready, .. } => {}
                 Event::Reply { rank, reply: Reply::Failed { seq, error }, .. } => {
-                    let command = self.pending_cmd.remove(&(rank, seq)).unwrap_or("a command");
+                    let command = self.pending_cmd.remove(&(rank, seq)).map_or("a command", |c| c.0);
                     return Err(ControlError::RankFailed {
                         rank: self.names[rank].clone(),
                         command: command.into(),
@@ -567,7 +567,7 @@ impl ControlServer {
 }
 
 async fn read_replies(rank: usize, r: OwnedReadHalf, tx: mpsc::UnboundedSender<Event>) {
-    // Buffered: a frame's length and body (and an ack with the done right behind it) come in one
+    // Buffered: a frame's length and body (and answers sent right after each other) come in one
     // read instead of one each.
     let mut r = BufReader::with_capacity(64 << 10, r);
     let mut buf = Vec::with_capacity(4096);
@@ -602,6 +602,8 @@ pub struct ControlClient {
     writer: OwnedWriteHalf,
     buf: Vec<u8>,
     out: Vec<u8>,
+    /// The command being executed: its sequence number and when it was read.
+    current: Option<(u64, u64)>,
 }
 
 impl ControlClient {
@@ -622,11 +624,12 @@ impl ControlClient {
             writer,
             buf: Vec::with_capacity(4096),
             out: Vec::with_capacity(1024),
+            current: None,
         })
     }
 
-    /// Waits for the next command; acknowledges it at once. `None` when the coordinator closed
-    /// the connection.
+    /// Waits for the next command (answer it with [`ControlClient::done`] or
+    /// [`ControlClient::failed`]). `None` when the coordinator closed the connection.
     pub async fn next(&mut self) -> Result<Option<Envelope>, ControlError> {
         match net::read_frame(&mut self.reader, &mut self.buf, net::MAX_FRAME).await {
             Ok(()) => {}
@@ -640,8 +643,23 @@ impl ControlClient {
         }
         let env: Envelope = serde_json::from_slice(&self.buf)
             .map_err(|e| ControlError::Malformed { rank: "coordinator".into(), detail: e.to_string() })?;
-        self.reply(&Reply::Ack { seq: env.seq, sent_ns: env.sent_ns, recv_ns: monotonic_ns() }).await?;
+        self.current = Some((env.seq, monotonic_ns()));
         Ok(Some(env))
+    }
+
+    /// Answers command `seq` with its report, and when it was read and how long it was held.
+    pub async fn done(&mut self, seq: u64, report: Report) -> Result<(), ControlError> {
+        let (recv_ns, held_ns) = match self.current.take() {
+            Some((s, recv_ns)) if s == seq => (recv_ns, monotonic_ns().saturating_sub(recv_ns)),
+            _ => (0, 0),
+        };
+        self.reply(&Reply::Done { seq, report, recv_ns, held_ns }).await
+    }
+
+    /// Answers command `seq` with its failure.
+    pub async fn failed(&mut self, seq: u64, error: String) -> Result<(), ControlError> {
+        self.current = None;
+        self.reply(&Reply::Failed { seq, error }).await
     }
 
     /// Sends a reply.
@@ -686,7 +704,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn commands_are_acked_done_and_timed() {
+    async fn commands_are_done_and_timed() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -701,7 +719,7 @@ mod tests {
                         break;
                     }
                     let report = Report { bytes: env.seq, ..Default::default() };
-                    c.reply(&Reply::Done { seq: env.seq, report }).await.unwrap();
+                    c.done(env.seq, report).await.unwrap();
                 }
             });
         }
@@ -716,7 +734,7 @@ mod tests {
             let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
             assert_eq!(r.len(), 2);
         }
-        assert_eq!(s.dispatch.len(), 40, "every command's ack was timed");
+        assert_eq!(s.dispatch.len(), 40, "every command's dispatch was timed");
         assert!(percentile_us(&s.dispatch, 50.0) > 0.0);
         s.shutdown_all().await;
     }
@@ -730,7 +748,7 @@ mod tests {
         tokio::spawn(async move {
             let mut c = ControlClient::connect(&addr, &tok(), "trainer-1", deadline).await.unwrap();
             let env = c.next().await.unwrap().unwrap();
-            c.reply(&Reply::Failed { seq: env.seq, error: "fan-out peer trainer-3 reset".into() }).await.unwrap();
+            c.failed(env.seq, "fan-out peer trainer-3 reset".into()).await.unwrap();
             let _ = c.next().await.unwrap();
             // Die without answering.
         });
@@ -758,12 +776,12 @@ mod tests {
                         // gen-0 never finishes its refit: a failure elsewhere must still surface.
                         Command::Refit { .. } if n == "gen-0" => continue,
                         Command::Refit { .. } => {
-                            c.reply(&Reply::Failed { seq: env.seq, error: "receiver reset".into() }).await.unwrap();
+                            c.failed(env.seq, "receiver reset".into()).await.unwrap();
                         }
                         // The report tells which command, in which order, the rank executed.
                         _ => {
                             let report = Report { bytes: env.seq, ..Default::default() };
-                            c.reply(&Reply::Done { seq: env.seq, report }).await.unwrap();
+                            c.done(env.seq, report).await.unwrap();
                         }
                     }
                 }

@@ -180,7 +180,8 @@ pub struct RunRecord {
     pub initial_sync_s: f64,
     /// Per step.
     pub steps: Vec<StepRecord>,
-    /// Round trips of every command to its acknowledgment, microseconds.
+    /// Round trips of every command (its way to the rank and its answer's way back, the rank's
+    /// work taken out), microseconds.
     pub dispatch_us: Vec<f64>,
     /// One way (send → the rank has it), microseconds; only when every pod shares one host.
     pub one_way_us: Vec<f64>,
@@ -653,7 +654,7 @@ pub struct Summary {
     pub imbalance_mean: f64,
     /// Token imbalance, worst step.
     pub imbalance_max: f64,
-    /// Dispatch latency p50, microseconds: a command's round trip to its acknowledgment.
+    /// Dispatch latency p50, microseconds: a command's way to the rank and its answer's way back.
     pub dispatch_p50_us: f64,
     /// Dispatch latency p99, microseconds.
     pub dispatch_p99_us: f64,

@@ -201,7 +201,7 @@ async fn the_control_port_admits_only_the_key_holder() {
             if env.command == Command::Shutdown {
                 break;
             }
-            rank.reply(&Reply::Done { seq: env.seq, report: Default::default() }).await.unwrap();
+            rank.done(env.seq, Default::default()).await.unwrap();
         }
     });
     let names = vec!["gen-0".to_string()];

@@ -4,10 +4,11 @@
 //! The parent plays the coordinator: it sends `--commands` commands to each of `--ranks` rank
 //! processes (one at a time, as a step's phase does) and records, per command, the one-way time
 //! (send → the rank has it, on the host's monotonic clock) and the round trip to the rank's
-//! acknowledgment. Then each rank answers a raw 32-byte ping-pong on a plain socket: the floor any
-//! TCP protocol between two processes of this host pays. Last, the cost of the authenticated
-//! handshake every connection starts with ([`crate::net`]): `--handshakes` loopback connections
-//! with it, against the same connections with one plain round trip instead.
+//! answer (the rank's holding time taken out). Then each rank answers a raw 32-byte ping-pong on
+//! a plain socket: the floor any TCP protocol between two processes of this host pays. Last, the
+//! cost of the authenticated handshake every connection starts with ([`crate::net`]):
+//! `--handshakes` loopback connections with it, against the same connections with one plain
+//! round trip instead.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -127,7 +128,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     );
     println!(
         "{:<44} {:>10.1} {:>10.1}",
-        "dispatch, round trip (→ acknowledgment)",
+        "dispatch, round trip (there and back)",
         p(&server.dispatch, 50.0),
         p(&server.dispatch, 99.0)
     );
@@ -201,7 +202,7 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
             if env.command == Command::Shutdown {
                 break;
             }
-            c.reply(&Reply::Done { seq: env.seq, report: Report::default() }).await?;
+            c.done(env.seq, Report::default()).await?;
         }
         let mut s = TcpStream::connect(&args.raw).await?;
         s.set_nodelay(true)?;
