@@ -14,6 +14,11 @@
 //!    the partition is cleared;
 //! 4. **refit**: version = step moves from the trainer senders to every generation rank, which
 //!    checks what it received against the senders' digests and reports its version.
+//!
+//! It waits for an answer only where the next command needs it; other commands go out queued
+//! behind the one they follow (a sender's refit behind its update, a one-rank engine's next
+//! Generate behind its refit, the update with Train when it needs no seed from here), so a step
+//! costs two or three command round trips instead of four (docs/architecture.md, "One step").
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;

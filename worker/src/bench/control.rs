@@ -191,9 +191,9 @@ enum Way {
 impl Way {
     fn label(self) -> &'static str {
         match self {
-            Way::Rounds => "one round at a time (4 rounds)",
-            Way::Queued => "queued, several shards (3 waits)",
-            Way::QueuedWithTrain => "queued, one shard or user's trainer (2 waits)",
+            Way::Rounds => "one round at a time (4 round trips)",
+            Way::Queued => "queued, several shards (3 round trips)",
+            Way::QueuedWithTrain => "queued, one shard or user's trainer (2 round trips)",
         }
     }
 }
