@@ -2,16 +2,20 @@
 //!
 //! Every rank holds one TCP connection to the coordinator's control port, opened with the shared
 //! token handshake ([`crate::net`], magic `RCTL`). The coordinator sends [`Envelope`]s; a rank
-//! answers each with an immediate [`Reply::Ack`] (before doing the work) and later a
-//! [`Reply::Done`] or [`Reply::Failed`]. The acknowledgment's round trip is the *dispatch
-//! latency*: the cost of the control plane per message, reported by the summary (p50/p99). Frames
-//! are small JSON documents; bulk data never travels here.
+//! answers each with one [`Reply::Done`] or [`Reply::Failed`]. The done says when the rank read
+//! the command and how long it held it, so the coordinator measures the *dispatch latency* — the
+//! command's way to the rank (one way, on one host's clock) and the round trip (the answer's way
+//! back added, the rank's holding time taken out: any two hosts) — without a message of its own:
+//! an acknowledgment per command used to wake the coordinator once more per command, and on a
+//! host whose cores the ranks keep busy that cost as much step time as the commands themselves.
+//! Several commands for one rank may go out together; the rank runs them in order. Frames are
+//! small JSON documents; bulk data never travels here.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -21,8 +25,9 @@ use crate::net::{self, Hello, JobAuth, NetError};
 
 /// Protocol magic of the control channel.
 pub const MAGIC: [u8; 4] = *b"RCTL";
-/// Protocol version.
-pub const VERSION: u16 = 1;
+/// Protocol version. 2: `Update`'s seed may be left to the rank (one data-parallel shard, or a
+/// user's trainer), and commands may arrive queued behind one another.
+pub const VERSION: u16 = 2;
 
 /// What the coordinator asks a rank to do.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -44,8 +49,11 @@ pub enum Command {
     Update {
         /// Step.
         step: u32,
-        /// Seed of the new weights (derived from the step and the batch digests).
-        seed: u64,
+        /// Seed of the new weights: [`update_seed`] of the step and every data-parallel shard's
+        /// batch digest. `None`: the rank derives it from its own batch of the step, which is
+        /// the same seed when there is one shard (every rank holds that shard's batch) — so
+        /// the update can be sent together with `Train`, without a round trip in between.
+        seed: Option<u64>,
     },
     /// Refit group members: move weights of `version` from senders to receivers. Receivers check
     /// what they received against `expected` (the senders' digests summed).
@@ -72,12 +80,19 @@ impl Command {
     }
 }
 
+/// Seed of step `step`'s new weights, from the batch digest of every data-parallel shard (in shard
+/// order): the weights depend on the data the trainer fetched, and anyone holding the digests can
+/// check them.
+pub fn update_seed(step: u32, shard_digests: &[u64]) -> u64 {
+    shard_digests.iter().fold(crate::digest::mix64(step as u64), |acc, d| crate::digest::mix64(acc ^ d))
+}
+
 /// A command with its sequence number and send time.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Envelope {
     /// Sequence number, unique per connection.
     pub seq: u64,
-    /// Coordinator's send time ([`monotonic_ns`]), echoed in the ack.
+    /// Coordinator's send time ([`monotonic_ns`]).
     pub sent_ns: u64,
     /// The command.
     pub command: Command,
@@ -111,23 +126,20 @@ pub struct Report {
 pub enum Reply {
     /// The rank finished its set-up (rendezvous with its peers) and takes commands.
     Ready,
-    /// The command arrived (sent before executing it).
-    Ack {
-        /// Its sequence number.
-        seq: u64,
-        /// Its `sent_ns`, echoed.
-        sent_ns: u64,
-        /// When the rank read the command ([`monotonic_ns`]); comparable with `sent_ns` only
-        /// when both run on one host.
-        #[serde(default)]
-        recv_ns: u64,
-    },
     /// The command finished.
     Done {
         /// Its sequence number.
         seq: u64,
         /// What the rank measured.
         report: Report,
+        /// When the rank read the command ([`monotonic_ns`]); comparable with the envelope's
+        /// `sent_ns` only when both run on one host.
+        #[serde(default)]
+        recv_ns: u64,
+        /// Nanoseconds from reading the command to sending this (on the rank's clock): taken out
+        /// of the coordinator's send-to-done time, the rest is the way there and back.
+        #[serde(default)]
+        held_ns: u64,
     },
     /// The command failed.
     Failed {
@@ -237,6 +249,31 @@ impl Drop for LateJoinerRefusal {
     }
 }
 
+/// Commands sent with [`ControlServer::dispatch`] and not yet waited for.
+#[derive(Debug, Default)]
+#[must_use = "a dispatched command must be waited for, or its failure goes unnoticed"]
+pub struct Pending(Vec<Sent>);
+
+#[derive(Debug)]
+struct Sent {
+    rank: usize,
+    seq: u64,
+    command: &'static str,
+}
+
+impl Pending {
+    /// Adds `other`'s commands to these.
+    pub fn merge(mut self, other: Pending) -> Pending {
+        self.0.extend(other.0);
+        self
+    }
+
+    /// Whether nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// The coordinator's side: one connection per rank.
 pub struct ControlServer {
     names: Vec<String>,
@@ -244,13 +281,25 @@ pub struct ControlServer {
     writers: Vec<OwnedWriteHalf>,
     events: mpsc::UnboundedReceiver<Event>,
     next_seq: u64,
-    /// Round trips of every acknowledged command: send → the rank has it → its ack is back.
+    /// Round trips of every command: send → the rank has it, plus its answer's way back (the
+    /// time the rank held the command taken out). Commands sent while the rank was still busy
+    /// with an earlier one (queued behind it) are not timed: they wait for that work, not for
+    /// the control plane.
     pub dispatch: Vec<Duration>,
     /// One way, send → the rank has it; meaningful only when the ranks share the coordinator's
     /// host (one clock), as in `rlplane local`.
     pub one_way: Vec<Duration>,
-    pending_cmd: HashMap<(usize, u64), &'static str>,
-    buf: Vec<u8>,
+    /// Every command sent and not finished: its name and send time ([`monotonic_ns`]).
+    pending_cmd: HashMap<(usize, u64), (&'static str, u64)>,
+    /// Commands sent and not finished, per rank: a command sent while this is non-zero waits in
+    /// the rank's queue.
+    outstanding: Vec<u32>,
+    /// Commands sent behind another one: their dispatch is not timed.
+    queued: HashSet<(usize, u64)>,
+    /// Reports of commands that finished while the coordinator waited for others.
+    finished: HashMap<(usize, u64), Report>,
+    /// One write buffer per rank: every command for a rank in one dispatch goes out in one write.
+    out: Vec<Vec<u8>>,
 }
 
 impl ControlServer {
@@ -317,7 +366,10 @@ impl ControlServer {
             dispatch: Vec::new(),
             one_way: Vec::new(),
             pending_cmd: HashMap::new(),
-            buf: Vec::with_capacity(4096),
+            outstanding: vec![0; expected.len()],
+            queued: HashSet::new(),
+            finished: HashMap::new(),
+            out: (0..expected.len()).map(|_| Vec::with_capacity(4096)).collect(),
         })
     }
 
@@ -357,20 +409,64 @@ impl ControlServer {
         Ok(())
     }
 
-    /// Sends a command to a rank; returns its sequence number.
-    pub async fn send(&mut self, rank: &str, command: Command) -> Result<u64, ControlError> {
-        let i = *self.index.get(rank).ok_or_else(|| ControlError::Missing(rank.into()))?;
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let name = command.name();
-        let env = Envelope { seq, sent_ns: monotonic_ns(), command };
-        self.buf.clear();
-        serde_json::to_writer(&mut self.buf, &env).expect("commands serialize");
-        net::write_frame(&mut self.writers[i], &self.buf)
-            .await
-            .map_err(|e| ControlError::Net { rank: rank.into(), source: NetError::io("sending a command", rank, e) })?;
-        self.pending_cmd.insert((i, seq), name);
-        Ok(seq)
+    /// Sends `commands` (rank name, command) without waiting for them. Every command for one
+    /// rank goes out in a single write, in the order given, so a rank finds the second one
+    /// already in its socket when it finishes the first (no wake-up in between). Wait for them
+    /// with [`ControlServer::wait`].
+    pub async fn dispatch<R: AsRef<str>>(
+        &mut self,
+        commands: impl IntoIterator<Item = (R, Command)>,
+    ) -> Result<Pending, ControlError> {
+        // Group by rank, keeping the order of first appearance and the order within a rank.
+        let mut by_rank: Vec<(usize, Vec<Command>)> = Vec::new();
+        for (r, c) in commands {
+            let r = r.as_ref();
+            let i = *self.index.get(r).ok_or_else(|| ControlError::Missing(r.into()))?;
+            match by_rank.iter_mut().find(|(j, _)| *j == i) {
+                Some((_, cs)) => cs.push(c),
+                None => by_rank.push((i, vec![c])),
+            }
+        }
+        let mut pending = Pending::default();
+        for (i, commands) in by_rank {
+            let mut out = std::mem::take(&mut self.out[i]);
+            out.clear();
+            for command in commands {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                let name = command.name();
+                // A command sent while the rank is still busy waits in its queue: its timing
+                // would be that wait, not the control plane.
+                if self.outstanding[i] > 0 {
+                    self.queued.insert((i, seq));
+                }
+                let env = Envelope { seq, sent_ns: monotonic_ns(), command };
+                if !matches!(env.command, Command::Shutdown) {
+                    self.outstanding[i] += 1;
+                    self.pending_cmd.insert((i, seq), (name, env.sent_ns));
+                    pending.0.push(Sent { rank: i, seq, command: name });
+                }
+                let at = out.len();
+                out.extend_from_slice(&[0; 4]);
+                serde_json::to_writer(&mut out, &env).expect("commands serialize");
+                let len = u32::try_from(out.len() - at - 4).expect("a command under 4 GiB");
+                out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+            }
+            let written = self.writers[i].write_all(&out).await;
+            self.out[i] = out;
+            written.map_err(|e| ControlError::Net {
+                rank: self.names[i].clone(),
+                source: NetError::io("sending a command", &self.names[i], e),
+            })?;
+        }
+        Ok(pending)
+    }
+
+    /// Splits `pending` in two: the commands for which `pick(command name, rank name)` holds, and
+    /// the others.
+    pub fn split(&self, pending: Pending, pick: impl Fn(&str, &str) -> bool) -> (Pending, Pending) {
+        let (a, b) = pending.0.into_iter().partition(|s| pick(s.command, &self.names[s.rank]));
+        (Pending(a), Pending(b))
     }
 
     /// Sends `command` to every rank in `ranks`, then waits for all of them to finish it.
@@ -380,12 +476,8 @@ impl ControlServer {
         command: Command,
         deadline: Instant,
     ) -> Result<HashMap<String, Report>, ControlError> {
-        let mut pending = HashSet::new();
-        for r in ranks {
-            let seq = self.send(r, command.clone()).await?;
-            pending.insert((self.index[r], seq));
-        }
-        self.collect(pending, deadline).await
+        let pending = self.dispatch(ranks.iter().map(|r| (r, command.clone()))).await?;
+        self.wait(pending, deadline).await
     }
 
     /// Sends per-rank commands, then waits for all of them.
@@ -394,50 +486,61 @@ impl ControlServer {
         commands: Vec<(String, Command)>,
         deadline: Instant,
     ) -> Result<HashMap<String, Report>, ControlError> {
-        let mut pending = HashSet::new();
-        for (r, c) in commands {
-            let seq = self.send(&r, c).await?;
-            pending.insert((self.index[&r], seq));
-        }
-        self.collect(pending, deadline).await
+        let pending = self.dispatch(commands).await?;
+        self.wait(pending, deadline).await
     }
 
-    async fn collect(
-        &mut self,
-        mut pending: HashSet<(usize, u64)>,
-        deadline: Instant,
-    ) -> Result<HashMap<String, Report>, ControlError> {
+    /// Waits until every command of `pending` finished; returns their reports by rank name (at
+    /// most one command per rank in `pending`). Fails at once when any rank fails any command
+    /// (also one not in `pending`) or disconnects, naming the rank. Commands of other sets that
+    /// finish meanwhile are kept for their own wait.
+    pub async fn wait(&mut self, pending: Pending, deadline: Instant) -> Result<HashMap<String, Report>, ControlError> {
         let start = Instant::now();
-        let mut reports = HashMap::new();
-        while !pending.is_empty() {
+        let mut reports = HashMap::with_capacity(pending.0.len());
+        let mut waiting: HashSet<(usize, u64)> = HashSet::with_capacity(pending.0.len());
+        for s in pending.0 {
+            match self.finished.remove(&(s.rank, s.seq)) {
+                Some(report) => {
+                    reports.insert(self.names[s.rank].clone(), report);
+                }
+                None => {
+                    waiting.insert((s.rank, s.seq));
+                }
+            }
+        }
+        while !waiting.is_empty() {
             let ev = match tokio::time::timeout_at(deadline, self.events.recv()).await {
                 Ok(Some(ev)) => ev,
                 Ok(None) => return Err(ControlError::Missing("every rank".into())),
                 Err(_) => {
-                    let waiting: Vec<&str> = pending.iter().map(|(i, _)| self.names[*i].as_str()).collect();
-                    let command = pending.iter().find_map(|k| self.pending_cmd.get(k)).copied().unwrap_or("?");
+                    let mut names: Vec<&str> = waiting.iter().map(|(i, _)| self.names[*i].as_str()).collect();
+                    names.sort();
+                    let command = waiting.iter().find_map(|k| self.pending_cmd.get(k)).map_or("?", |c| c.0);
                     return Err(ControlError::Timeout {
                         command: command.into(),
-                        waiting: waiting.join(", "),
+                        waiting: names.join(", "),
                         secs: start.elapsed().as_secs_f64(),
                     });
                 }
             };
             match ev {
-                Event::Reply { rank, reply: Reply::Ack { sent_ns, recv_ns, .. }, at_ns, .. } => {
-                    self.dispatch.push(Duration::from_nanos(at_ns.saturating_sub(sent_ns)));
-                    self.one_way.push(Duration::from_nanos(recv_ns.saturating_sub(sent_ns)));
-                    let _ = rank;
-                }
-                Event::Reply { rank, reply: Reply::Done { seq, report }, .. } => {
-                    if pending.remove(&(rank, seq)) {
-                        self.pending_cmd.remove(&(rank, seq));
+                Event::Reply { rank, reply: Reply::Done { seq, report, recv_ns, held_ns }, at_ns } => {
+                    let Some((_, sent_ns)) = self.pending_cmd.remove(&(rank, seq)) else { continue };
+                    if !self.queued.remove(&(rank, seq)) && recv_ns > 0 {
+                        let there_and_back = at_ns.saturating_sub(sent_ns).saturating_sub(held_ns);
+                        self.dispatch.push(Duration::from_nanos(there_and_back));
+                        self.one_way.push(Duration::from_nanos(recv_ns.saturating_sub(sent_ns)));
+                    }
+                    self.outstanding[rank] = self.outstanding[rank].saturating_sub(1);
+                    if waiting.remove(&(rank, seq)) {
                         reports.insert(self.names[rank].clone(), report);
+                    } else {
+                        self.finished.insert((rank, seq), report);
                     }
                 }
                 Event::Reply { reply: Reply::Ready, .. } => {}
                 Event::Reply { rank, reply: Reply::Failed { seq, error }, .. } => {
-                    let command = self.pending_cmd.remove(&(rank, seq)).unwrap_or("a command");
+                    let command = self.pending_cmd.remove(&(rank, seq)).map_or("a command", |c| c.0);
                     return Err(ControlError::RankFailed {
                         rank: self.names[rank].clone(),
                         command: command.into(),
@@ -455,7 +558,7 @@ impl ControlServer {
     /// Sends Shutdown to every rank without waiting for answers (ranks exit on it).
     pub async fn shutdown_all(&mut self) {
         for name in self.names.clone() {
-            let _ = self.send(&name, Command::Shutdown).await;
+            let _ = self.dispatch([(name, Command::Shutdown)]).await;
         }
         for w in &mut self.writers {
             let _ = w.shutdown().await;
@@ -463,7 +566,10 @@ impl ControlServer {
     }
 }
 
-async fn read_replies(rank: usize, mut r: OwnedReadHalf, tx: mpsc::UnboundedSender<Event>) {
+async fn read_replies(rank: usize, r: OwnedReadHalf, tx: mpsc::UnboundedSender<Event>) {
+    // Buffered: a frame's length and body (and answers sent right after each other) come in one
+    // read instead of one each.
+    let mut r = BufReader::with_capacity(64 << 10, r);
     let mut buf = Vec::with_capacity(4096);
     loop {
         match net::read_frame(&mut r, &mut buf, net::MAX_FRAME).await {
@@ -491,10 +597,13 @@ async fn read_replies(rank: usize, mut r: OwnedReadHalf, tx: mpsc::UnboundedSend
 
 /// A rank's side of the control channel.
 pub struct ControlClient {
-    reader: OwnedReadHalf,
+    /// Buffered: commands sent together (a step's update and refit) arrive in one read.
+    reader: BufReader<OwnedReadHalf>,
     writer: OwnedWriteHalf,
     buf: Vec<u8>,
     out: Vec<u8>,
+    /// The command being executed: its sequence number and when it was read.
+    current: Option<(u64, u64)>,
 }
 
 impl ControlClient {
@@ -510,11 +619,17 @@ impl ControlClient {
         let hello = Hello { magic: MAGIC, version: VERSION, peer: name.into(), extra: vec![] };
         net::send_hello(&mut s, auth, &hello, deadline, addr).await.map_err(wrap)?;
         let (reader, writer) = s.into_split();
-        Ok(ControlClient { reader, writer, buf: Vec::with_capacity(4096), out: Vec::with_capacity(1024) })
+        Ok(ControlClient {
+            reader: BufReader::with_capacity(64 << 10, reader),
+            writer,
+            buf: Vec::with_capacity(4096),
+            out: Vec::with_capacity(1024),
+            current: None,
+        })
     }
 
-    /// Waits for the next command; acknowledges it at once. `None` when the coordinator closed
-    /// the connection.
+    /// Waits for the next command (answer it with [`ControlClient::done`] or
+    /// [`ControlClient::failed`]). `None` when the coordinator closed the connection.
     pub async fn next(&mut self) -> Result<Option<Envelope>, ControlError> {
         match net::read_frame(&mut self.reader, &mut self.buf, net::MAX_FRAME).await {
             Ok(()) => {}
@@ -528,8 +643,23 @@ impl ControlClient {
         }
         let env: Envelope = serde_json::from_slice(&self.buf)
             .map_err(|e| ControlError::Malformed { rank: "coordinator".into(), detail: e.to_string() })?;
-        self.reply(&Reply::Ack { seq: env.seq, sent_ns: env.sent_ns, recv_ns: monotonic_ns() }).await?;
+        self.current = Some((env.seq, monotonic_ns()));
         Ok(Some(env))
+    }
+
+    /// Answers command `seq` with its report, and when it was read and how long it was held.
+    pub async fn done(&mut self, seq: u64, report: Report) -> Result<(), ControlError> {
+        let (recv_ns, held_ns) = match self.current.take() {
+            Some((s, recv_ns)) if s == seq => (recv_ns, monotonic_ns().saturating_sub(recv_ns)),
+            _ => (0, 0),
+        };
+        self.reply(&Reply::Done { seq, report, recv_ns, held_ns }).await
+    }
+
+    /// Answers command `seq` with its failure.
+    pub async fn failed(&mut self, seq: u64, error: String) -> Result<(), ControlError> {
+        self.current = None;
+        self.reply(&Reply::Failed { seq, error }).await
     }
 
     /// Sends a reply.
@@ -574,7 +704,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn commands_are_acked_done_and_timed() {
+    async fn commands_are_done_and_timed() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -589,7 +719,7 @@ mod tests {
                         break;
                     }
                     let report = Report { bytes: env.seq, ..Default::default() };
-                    c.reply(&Reply::Done { seq: env.seq, report }).await.unwrap();
+                    c.done(env.seq, report).await.unwrap();
                 }
             });
         }
@@ -604,7 +734,7 @@ mod tests {
             let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
             assert_eq!(r.len(), 2);
         }
-        assert_eq!(s.dispatch.len(), 40, "every command's ack was timed");
+        assert_eq!(s.dispatch.len(), 40, "every command's dispatch was timed");
         assert!(percentile_us(&s.dispatch, 50.0) > 0.0);
         s.shutdown_all().await;
     }
@@ -618,15 +748,66 @@ mod tests {
         tokio::spawn(async move {
             let mut c = ControlClient::connect(&addr, &tok(), "trainer-1", deadline).await.unwrap();
             let env = c.next().await.unwrap().unwrap();
-            c.reply(&Reply::Failed { seq: env.seq, error: "fan-out peer trainer-3 reset".into() }).await.unwrap();
+            c.failed(env.seq, "fan-out peer trainer-3 reset".into()).await.unwrap();
             let _ = c.next().await.unwrap();
             // Die without answering.
         });
         let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
         let e = s.run(&names, Command::Train { step: 0, batch: None }, deadline).await.unwrap_err().to_string();
         assert!(e.contains("trainer-1 failed train: fan-out peer trainer-3 reset"), "{e}");
-        let e = s.run(&names, Command::Update { step: 0, seed: 1 }, deadline).await.unwrap_err().to_string();
+        let e = s.run(&names, Command::Update { step: 0, seed: Some(1) }, deadline).await.unwrap_err().to_string();
         assert!(e.contains("trainer-1 disconnected"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn queued_commands_run_in_order_and_each_wait_gets_its_own() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let names = vec!["trainer-0".to_string(), "gen-0".to_string()];
+        for n in names.clone() {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let mut c = ControlClient::connect(&addr, &tok(), &n, deadline).await.unwrap();
+                c.reply(&Reply::Ready).await.unwrap();
+                while let Some(env) = c.next().await.unwrap() {
+                    match env.command {
+                        Command::Shutdown => break,
+                        // gen-0 never finishes its refit: a failure elsewhere must still surface.
+                        Command::Refit { .. } if n == "gen-0" => continue,
+                        Command::Refit { .. } => {
+                            c.failed(env.seq, "receiver reset".into()).await.unwrap();
+                        }
+                        // The report tells which command, in which order, the rank executed.
+                        _ => {
+                            let report = Report { bytes: env.seq, ..Default::default() };
+                            c.done(env.seq, report).await.unwrap();
+                        }
+                    }
+                }
+            });
+        }
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
+        s.wait_ready(deadline).await.unwrap();
+        // Train and Update to trainer-0 in one write; wait for the update first.
+        let sent = s
+            .dispatch([
+                ("trainer-0", Command::Train { step: 1, batch: None }),
+                ("trainer-0", Command::Update { step: 1, seed: None }),
+            ])
+            .await
+            .unwrap();
+        let (train, update) = s.split(sent, |c, _| c == "train");
+        let u = s.wait(update, deadline).await.unwrap();
+        let t = s.wait(train, deadline).await.unwrap();
+        assert!(t["trainer-0"].bytes < u["trainer-0"].bytes, "executed in the order sent");
+        assert_eq!(s.dispatch.len(), 1, "only the command that found the rank idle is timed");
+        // trainer-0 fails a command nobody waits for yet: the wait for gen-0 reports it at once.
+        let other = s.dispatch([("trainer-0", Command::Refit { version: 1, expected: 0 })]).await.unwrap();
+        let receiver = s.dispatch([("gen-0", Command::Refit { version: 1, expected: 7 })]).await.unwrap();
+        let e = s.wait(receiver, deadline).await.unwrap_err().to_string();
+        assert!(e.contains("trainer-0 failed refit: receiver reset"), "{e}");
+        drop(other);
     }
 
     #[tokio::test]

@@ -14,8 +14,13 @@
 //!    the partition is cleared;
 //! 4. **refit**: version = step moves from the trainer senders to every generation rank, which
 //!    checks what it received against the senders' digests and reports its version.
+//!
+//! It waits for an answer only where the next command needs it; other commands go out queued
+//! behind the one they follow (a sender's refit behind its update, a one-rank engine's next
+//! Generate behind its refit, the update with Train when it needs no seed from here), so a step
+//! costs two or three command round trips instead of four (docs/architecture.md, "One step").
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use rlplane_api::TqFetch;
@@ -25,8 +30,7 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::control::{Command, ControlError, ControlServer, Report, percentile_us};
-use crate::digest::mix64;
+use crate::control::{Command, ControlError, ControlServer, Pending, Report, percentile_us, update_seed};
 use crate::net::JobAuth;
 use crate::tq::{ControllerConfig, TqController, assign};
 use crate::workload::fields;
@@ -91,7 +95,7 @@ pub enum Progress {
         seconds: f64,
     },
     /// A step finished.
-    StepDone(StepRecord),
+    StepDone(Box<StepRecord>),
 }
 
 /// Receives progress events.
@@ -131,9 +135,11 @@ pub struct StepRecord {
     pub version: u64,
     /// Wall time of the step.
     pub total_s: f64,
-    /// Generate phase (rollouts made and put).
+    /// Generate phase (rollouts made and put): the slowest producer's work, or the wait for it
+    /// when longer. A producer may start during the previous step's refit (as soon as it holds
+    /// the new weights), so the phase can be longer than the step's wait for it.
     pub generate_s: f64,
-    /// Moving rollouts: claim + assignment + the leaders' fetch, fan-out and write-back + clear.
+    /// Moving rollouts: claim + assignment + the leaders' fetch, fan-out and write-back.
     pub transfer_s: f64,
     /// Training: the train phase without its data movement, plus the weight update.
     pub train_s: f64,
@@ -142,8 +148,12 @@ pub struct StepRecord {
     /// Checking the received weights against the senders' digests (the synthetic workload's
     /// end-to-end check; a real engine would not spend it).
     pub verify_s: f64,
-    /// Control-plane time: phase wall time not spent in any rank's work, plus metadata work.
+    /// Control-plane time: phase wall time not spent in any rank's work, plus metadata work on
+    /// the critical path (the claim).
     pub control_s: f64,
+    /// `control_s` by where it was spent: a phase (or stretch of phases whose commands were sent
+    /// together), the claim, a clear that outlasted the refit.
+    pub control_phases: BTreeMap<String, f64>,
     /// Samples.
     pub samples: u64,
     /// Tokens.
@@ -175,7 +185,8 @@ pub struct RunRecord {
     pub initial_sync_s: f64,
     /// Per step.
     pub steps: Vec<StepRecord>,
-    /// Round trips of every command to its acknowledgment, microseconds.
+    /// Round trips of every command (its way to the rank and its answer's way back, the rank's
+    /// work taken out), microseconds.
     pub dispatch_us: Vec<f64>,
     /// One way (send → the rank has it), microseconds; only when every pod shares one host.
     pub one_way_us: Vec<f64>,
@@ -231,17 +242,23 @@ pub async fn run(
     // The initial weights (version 0) reach every engine before the first step, as a job's first
     // load does; it also keeps one-time costs (first NCCL use, opening IPC handles) out of step 1.
     let t = Instant::now();
-    let seed = mix64(0);
-    let update = server.run(&roles.trainers, Command::Update { step: 0, seed }, Instant::now() + timeout).await?;
-    refit_phase(&mut server, &roles, 0, &update, timeout).await?;
+    let first = (plan.workload.steps > 0).then_some(1);
+    let update = server.dispatch(update_commands(&roles, 0, Some(update_seed(0, &[])))).await?;
+    let sync = update_and_refit(&mut server, &roles, 0, update, first, timeout, None).await?;
+    let mut generate = sync.generate;
     record.initial_sync_s = t.elapsed().as_secs_f64();
     observer.progress(Progress::InitialSync { seconds: record.initial_sync_s });
     for step in 1..=plan.workload.steps {
         // One trace per step, shared with the ranks' spans of the step (see crate::telemetry).
         let span = tracing::info_span!("step", step);
         crate::telemetry::join_step(&span, &plan.job.token, step);
-        let r = run_step(plan, &roles, &mut server, &controller, step, timeout, observer).instrument(span).await?;
-        observer.progress(Progress::StepDone(r.clone()));
+        let next = (step < plan.workload.steps).then_some(step + 1);
+        let ahead = generate.take();
+        let (r, queued) = run_step(plan, &roles, &mut server, &controller, step, ahead, next, timeout, observer)
+            .instrument(span)
+            .await?;
+        generate = queued;
+        observer.progress(Progress::StepDone(Box::new(r.clone())));
         record.steps.push(r);
     }
     // The queue is done: ranks exiting from now on take their storage units with them, as
@@ -265,6 +282,13 @@ struct Roles {
     shards: Vec<(String, Vec<String>)>,
     /// Per refit group: (senders, receivers).
     refit_groups: Vec<(Vec<String>, Vec<String>)>,
+    /// Every engine is one generation rank: a producer may start the next step as soon as its own
+    /// refit is done, since no other rank of its engine is still receiving weights.
+    generate_behind_refit: bool,
+    /// The update needs no seed from the coordinator — one data-parallel shard (every trainer
+    /// rank holds the only batch, so it derives the seed itself) or a user's trainer (its own
+    /// optimizer step is the update) — so it goes out together with Train.
+    update_with_train: bool,
 }
 
 impl Roles {
@@ -277,7 +301,7 @@ impl Roles {
             .map(|p| p.name.clone())
             .collect();
         let trainers = plan.trainer_ranks().into_iter().map(name).collect();
-        let shards = plan
+        let shards: Vec<(String, Vec<String>)> = plan
             .fanout_groups
             .iter()
             .map(|g| (name(g.leader), g.members.iter().filter(|&&m| m != g.leader).map(|&m| name(m)).collect()))
@@ -287,7 +311,18 @@ impl Roles {
             .iter()
             .map(|g| (g.senders.iter().map(|&s| name(s)).collect(), g.receivers.iter().map(|&r| name(r)).collect()))
             .collect();
-        Roles { producers, trainers, shards, refit_groups }
+        Roles {
+            producers,
+            trainers,
+            update_with_train: plan.user_processes.trainer || shards.len() == 1,
+            shards,
+            refit_groups,
+            generate_behind_refit: plan.layout.engine_tp == 1,
+        }
+    }
+
+    fn is_sender(&self, rank: &str) -> bool {
+        self.refit_groups.iter().any(|(s, _)| s.iter().any(|n| n == rank))
     }
 }
 
@@ -302,6 +337,20 @@ fn max_phase(reports: &HashMap<String, Report>, names: &[&str]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The update for every trainer rank, each refit sender's refit queued right behind it (a sender
+/// streams as soon as its update is done; it has no use for `expected`, which only receivers
+/// check).
+fn update_commands(roles: &Roles, step: u32, seed: Option<u64>) -> Vec<(String, Command)> {
+    let mut cmds: Vec<(String, Command)> =
+        roles.trainers.iter().map(|t| (t.clone(), Command::Update { step, seed })).collect();
+    for (senders, _) in &roles.refit_groups {
+        for s in senders {
+            cmds.push((s.clone(), Command::Refit { version: step as u64, expected: 0 }));
+        }
+    }
+    cmds
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn run_step(
     plan: &WorkerPlan,
@@ -309,23 +358,34 @@ async fn run_step(
     server: &mut ControlServer,
     controller: &TqController,
     step: u32,
+    generate: Option<Pending>,
+    next: Option<u32>,
     timeout: Duration,
     observer: &dyn Observer,
-) -> Result<StepRecord, CoordinatorError> {
+) -> Result<(StepRecord, Option<Pending>), CoordinatorError> {
     let partition = format!("step-{step}");
     let mut rec = StepRecord { step, version: step as u64, ..Default::default() };
     let step_start = Instant::now();
-    let mut control_s = 0.0;
+    let control = |rec: &mut StepRecord, part: &str, secs: f64| {
+        let secs = secs.max(0.0);
+        rec.control_s += secs;
+        *rec.control_phases.entry(part.to_string()).or_insert(0.0) += secs;
+    };
 
-    // 1. Generate.
+    // 1. Generate: sent now, or already queued behind each producer's refit of the last step.
     observer.progress(Progress::Phase { step, phase: "generate" });
     let t = Instant::now();
-    let generated = server
-        .run(&roles.producers, Command::Generate { step }, Instant::now() + timeout)
-        .instrument(tracing::info_span!("generate"))
-        .await?;
-    rec.generate_s = t.elapsed().as_secs_f64();
-    control_s += (rec.generate_s - max_busy(&generated)).max(0.0);
+    let pending = match generate {
+        Some(p) => p,
+        None => server.dispatch(roles.producers.iter().map(|p| (p, Command::Generate { step }))).await?,
+    };
+    let generated = server.wait(pending, Instant::now() + timeout).instrument(tracing::info_span!("generate")).await?;
+    let generate_wall = t.elapsed().as_secs_f64();
+    let generate_busy = max_busy(&generated);
+    control(&mut rec, "generate", generate_wall - generate_busy);
+    // A producer that started during the last step's refit finished some of its work before
+    // this step began: the phase is its work, not the shorter wait.
+    rec.generate_s = generate_wall.max(generate_busy);
     rec.put_bytes = generated.values().map(|r| r.bytes).sum();
     rec.put_s = max_phase(&generated, &["put"]);
     let produced: u64 = generated.values().map(|r| r.samples).sum();
@@ -358,8 +418,10 @@ async fn run_step(
     rec.samples = claim.meta.samples.len() as u64;
     rec.tokens = tokens.iter().map(|&t| t as u64).sum();
     let claim_s = t.elapsed().as_secs_f64();
+    control(&mut rec, "claim", claim_s);
 
-    // 3. Train: leaders fetch and fan out; everyone digests the batch.
+    // 3. Train: leaders fetch and fan out; everyone digests the batch. When the update needs no
+    // seed from here it goes out in the same write, and refit senders' refit behind it.
     observer.progress(Progress::Phase { step, phase: "train" });
     let t = Instant::now();
     // LeaderBroadcast: only leaders get the batch and fan it out. Independent (for comparison):
@@ -373,9 +435,15 @@ async fn run_step(
         }
         cmds.push((leader.clone(), Command::Train { step, batch: Some(batch) }));
     }
-    let train = server.run_each(cmds, Instant::now() + timeout).instrument(tracing::info_span!("train")).await?;
+    if roles.update_with_train {
+        cmds.extend(update_commands(roles, step, None));
+    }
+    let sent = server.dispatch(cmds).await?;
+    let (train_pending, update_pending) = server.split(sent, |c, _| c == "train");
+    let train = server.wait(train_pending, Instant::now() + timeout).instrument(tracing::info_span!("train")).await?;
     let train_wall = t.elapsed().as_secs_f64();
-    control_s += (train_wall - max_busy(&train)).max(0.0);
+    // From here to the end of the refit: the update and refit stretch.
+    let t = Instant::now();
     let mut batch_digests = Vec::with_capacity(roles.shards.len());
     for (leader, followers) in &roles.shards {
         let ld = train[leader].digest;
@@ -395,31 +463,22 @@ async fn run_step(
     rec.get_bytes = leaders.values().map(|r| r.bytes).sum();
     rec.get_s = max_phase(&leaders, &["fetch"]);
     let moved = max_phase(&leaders, &["fetch", "fanout", "writeback"]);
-    let t = Instant::now();
+    rec.transfer_s = claim_s + moved;
+
+    // The update: new weights derive from the step and every shard's batch.
+    let update_pending = if roles.update_with_train {
+        update_pending
+    } else {
+        server.dispatch(update_commands(roles, step, Some(update_seed(step, &batch_digests)))).await?
+    };
+    // The claim's acknowledgment is bookkeeping: done while the trainer ranks update.
     let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.to_string()).collect();
     tracing::info_span!("tq.ack")
         .in_scope(|| controller.ack(&partition, TRAINER_GROUP, claim.claim_id, &keys))
         .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
-    let ack_s = t.elapsed().as_secs_f64();
-
-    // The update: new weights derive from the step and every shard's batch.
-    let seed = batch_digests.iter().fold(mix64(step as u64), |acc, d| mix64(acc ^ d));
-    let t = Instant::now();
-    let update = server
-        .run(&roles.trainers, Command::Update { step, seed }, Instant::now() + timeout)
-        .instrument(tracing::info_span!("update"))
-        .await?;
-    let update_wall = t.elapsed().as_secs_f64();
-    control_s += (update_wall - max_busy(&update)).max(0.0);
-
-    rec.transfer_s = claim_s + moved + ack_s;
-    rec.train_s = (train_wall - moved).max(0.0) + update_wall;
-    control_s += claim_s + ack_s;
 
     // 4. Refit, while the partition is cleared in every storage unit (nothing waits for the
     // clear: it only frees memory, so it stays off the step's critical path).
-    observer.progress(Progress::Phase { step, phase: "refit" });
-    let t = Instant::now();
     let clearing = async {
         let c = Instant::now();
         let cleared = controller.clear(&partition).instrument(tracing::info_span!("tq.clear")).await;
@@ -428,18 +487,28 @@ async fn run_step(
         }
         c.elapsed().as_secs_f64()
     };
-    let (refit, clear_s) = tokio::join!(refit_phase(server, roles, step, &update, timeout), clearing);
-    let refit = refit?;
-    let refit_wall = t.elapsed().as_secs_f64();
-    if clear_s > refit_wall {
-        // Clearing took longer than the refit: the excess delayed the step.
-        control_s += clear_s - refit_wall;
+    let (done, clear_s) =
+        tokio::join!(update_and_refit(server, roles, step, update_pending, next, timeout, Some(observer)), clearing);
+    let done = done?;
+    let wall = t.elapsed().as_secs_f64();
+    if clear_s > wall {
+        // Clearing took longer than the update and refit: the excess delayed the step.
+        control(&mut rec, "clear", clear_s - wall);
     }
-    control_s += (refit_wall - max_busy(&refit)).max(0.0);
+    rec.train_s = (train_wall - moved).max(0.0) + done.update_wall;
+    if roles.update_with_train {
+        // The update started on each rank right after its training: one stretch of work from
+        // Train to the end of the refit.
+        control(&mut rec, "train+update+refit", train_wall + wall - done.longest_chain(Some(&train)));
+    } else {
+        control(&mut rec, "train", train_wall - max_busy(&train));
+        control(&mut rec, "update+refit", wall - done.longest_chain(None));
+    }
     // The refit itself: the slowest rank's engine time (a sender's ends once every receiver
     // confirmed). The receivers' digest check is reported apart.
-    rec.refit_s = max_phase(&refit, &["total"]);
-    rec.verify_s = max_phase(&refit, &["verify"]);
+    let refit = &done.refit;
+    rec.refit_s = max_phase(refit, &["total"]);
+    rec.verify_s = max_phase(refit, &["verify"]);
     let receivers: Vec<&String> = roles.refit_groups.iter().flat_map(|(_, r)| r).collect();
     rec.refit_receivers = receivers.len() as u64;
     rec.refit_bytes_per_receiver = receivers.iter().map(|r| refit[*r].bytes).max().unwrap_or(0);
@@ -449,33 +518,96 @@ async fn run_step(
             *e = e.max(*v);
         }
     }
-    rec.control_s = control_s;
     rec.total_s = step_start.elapsed().as_secs_f64();
     tracing::debug!(seconds = rec.total_s, refit_s = rec.refit_s, "step finished");
-    Ok(rec)
+    Ok((rec, done.generate))
 }
 
-/// Moves weight version `version` (the senders' `update` reports carry their digests) to every
-/// generation rank, and checks each reports holding it.
-async fn refit_phase(
+/// What [`update_and_refit`] collected.
+struct UpdateRefit {
+    /// Every trainer rank's update report.
+    update: HashMap<String, Report>,
+    /// Every refit group member's refit report.
+    refit: HashMap<String, Report>,
+    /// Seconds from the call until every trainer rank's update was in.
+    update_wall: f64,
+    /// The next step's Generate, queued behind the producers' refit.
+    generate: Option<Pending>,
+    /// Which ranks send.
+    senders: Vec<String>,
+}
+
+impl UpdateRefit {
+    /// The longest stretch of work any chain of ranks did in the update and refit (plus `train`,
+    /// when the update was queued behind it): a sender's update, its refit (which ends once
+    /// every receiver confirmed) and the receivers' digest check after it; a receiver's refit;
+    /// a trainer rank's update. Wall time beyond it is control.
+    fn longest_chain(&self, train: Option<&HashMap<String, Report>>) -> f64 {
+        let trained = |r: &str| train.and_then(|t| t.get(r)).map(|t| t.busy_secs).unwrap_or(0.0);
+        let verify = max_phase(&self.refit, &["verify"]);
+        let mut longest = 0.0f64;
+        for (rank, u) in &self.update {
+            let mut chain = trained(rank) + u.busy_secs;
+            if self.senders.contains(rank) {
+                chain += self.refit.get(rank).map(|r| r.busy_secs).unwrap_or(0.0) + verify;
+            }
+            longest = longest.max(chain);
+        }
+        for (rank, r) in &self.refit {
+            if !self.senders.contains(rank) {
+                longest = longest.max(r.busy_secs);
+            }
+        }
+        longest
+    }
+}
+
+/// Waits for the refit senders' update (already sent in `update`, with their refit of `version`
+/// queued behind it), then sends every receiver its refit with the senders' digests to check —
+/// and, queued behind a producer's refit, the next step's Generate — and waits for everything.
+/// Every receiver must report holding `version`. `observer` hears when the refit phase begins.
+#[allow(clippy::too_many_arguments)]
+async fn update_and_refit(
     server: &mut ControlServer,
     roles: &Roles,
     version: u32,
-    update: &HashMap<String, Report>,
+    update: Pending,
+    next_generate: Option<u32>,
     timeout: Duration,
-) -> Result<HashMap<String, Report>, CoordinatorError> {
+    observer: Option<&dyn Observer>,
+) -> Result<UpdateRefit, CoordinatorError> {
+    let t = Instant::now();
+    // Each command keeps its own bound, as when they went out one round at a time: a user's
+    // trainer may take until the deadline to publish, and its refit gets the full bound after.
+    let deadline = Instant::now() + timeout;
+    let (updates, sender_refits) = server.split(update, |c, _| c == "update");
+    let (sender_updates, other_updates) = server.split(updates, |_, r| roles.is_sender(r));
+    let mut update = server.wait(sender_updates, deadline).instrument(tracing::info_span!("update")).await?;
+    // The senders hold the new version: its refit begins.
+    if let Some(o) = observer {
+        o.progress(Progress::Phase { step: version, phase: "refit" });
+    }
     let mut cmds = Vec::new();
     for (senders, receivers) in &roles.refit_groups {
-        let mut expected = 0u64;
-        for s in senders {
-            expected = expected.wrapping_add(update[s].digest.unwrap_or(0));
-        }
-        for m in senders.iter().chain(receivers) {
-            cmds.push((m.clone(), Command::Refit { version: version as u64, expected }));
+        let expected = senders.iter().fold(0u64, |acc, s| acc.wrapping_add(update[s].digest.unwrap_or(0)));
+        for r in receivers {
+            cmds.push((r.clone(), Command::Refit { version: version as u64, expected }));
         }
     }
-    let refit =
-        server.run_each(cmds, Instant::now() + timeout).instrument(tracing::info_span!("refit", version)).await?;
+    if let Some(step) = next_generate.filter(|_| roles.generate_behind_refit) {
+        // Behind the refit in the same write: the producer generates as soon as it holds the new
+        // weights, without waiting for the other engines or for this coordinator.
+        cmds.extend(roles.producers.iter().map(|p| (p.clone(), Command::Generate { step })));
+    }
+    let sent = server.dispatch(cmds).await?;
+    let (generate, receiver_refits) = server.split(sent, |c, _| c == "generate");
+    update.extend(server.wait(other_updates, deadline).instrument(tracing::info_span!("update")).await?);
+    let update_wall = t.elapsed().as_secs_f64();
+    let refit_deadline = Instant::now() + timeout;
+    let refit = server
+        .wait(sender_refits.merge(receiver_refits), refit_deadline)
+        .instrument(tracing::info_span!("refit", version))
+        .await?;
     for r in roles.refit_groups.iter().flat_map(|(_, r)| r) {
         if refit[r].version != Some(version as u64) {
             return Err(CoordinatorError::Check {
@@ -484,7 +616,8 @@ async fn refit_phase(
             });
         }
     }
-    Ok(refit)
+    let senders = roles.refit_groups.iter().flat_map(|(s, _)| s.iter().cloned()).collect();
+    Ok(UpdateRefit { update, refit, update_wall, generate: (!generate.is_empty()).then_some(generate), senders })
 }
 
 /// Summary statistics of a run, for the table and `--json`.
@@ -526,7 +659,7 @@ pub struct Summary {
     pub imbalance_mean: f64,
     /// Token imbalance, worst step.
     pub imbalance_max: f64,
-    /// Dispatch latency p50, microseconds: a command's round trip to its acknowledgment.
+    /// Dispatch latency p50, microseconds: a command's way to the rank and its answer's way back.
     pub dispatch_p50_us: f64,
     /// Dispatch latency p99, microseconds.
     pub dispatch_p99_us: f64,

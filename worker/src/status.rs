@@ -92,7 +92,7 @@ pub struct ReportingObserver<O> {
 impl<O: Observer> Observer for ReportingObserver<O> {
     fn progress(&self, event: Progress) {
         if let (Progress::StepDone(r), Some(rep)) = (&event, &self.reporter) {
-            let _ = rep.tx.send(r.clone());
+            let _ = rep.tx.send((**r).clone());
         }
         self.inner.progress(event);
     }

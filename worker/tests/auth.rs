@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rlplane::control::{Command, ControlClient, ControlServer, Reply};
+use rlplane::control::{self, Command, ControlClient, ControlServer, Reply};
 use rlplane::net::{self, CHALLENGE_LEN, HELLO_CHALLENGE, HELLO_OK, HELLO_REFUSED, Hello, JobAuth, NONCE_LEN};
 use rlplane::refit::plan::RefitPlan;
 use rlplane::tq::codec::{
@@ -189,7 +189,7 @@ async fn the_control_port_admits_only_the_key_holder() {
     let auth = e.current.clone();
     let names = vec!["gen-0".to_string()];
     let server = tokio::spawn(async move { ControlServer::accept_all(&listener, &names, &auth, deadline()).await });
-    let hello = Hello { magic: *b"RCTL", version: 1, peer: "gen-0".into(), extra: vec![] };
+    let hello = Hello { magic: control::MAGIC, version: control::VERSION, peer: "gen-0".into(), extra: vec![] };
     attack(&addr, &e, &hello, b"{\"Ready\":null}").await;
     assert!(!server.is_finished(), "no attacker took gen-0's place");
     let mut rank = ControlClient::connect(&addr, &e.current, "gen-0", deadline()).await.unwrap();
@@ -201,7 +201,7 @@ async fn the_control_port_admits_only_the_key_holder() {
             if env.command == Command::Shutdown {
                 break;
             }
-            rank.reply(&Reply::Done { seq: env.seq, report: Default::default() }).await.unwrap();
+            rank.done(env.seq, Default::default()).await.unwrap();
         }
     });
     let names = vec!["gen-0".to_string()];

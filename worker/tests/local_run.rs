@@ -73,9 +73,17 @@ fn check_summary(manifest: &Path, v: &serde_json::Value) {
     let put = expected_put_bytes(manifest, steps);
     assert_eq!(s["tq_put_bytes"].as_u64().unwrap(), put, "bytes put = what the workload implies");
     assert_eq!(s["tq_get_bytes"].as_u64().unwrap(), put, "the trainer fetched every byte once");
+    // Control time is accounted per stretch of commands sent together: with one data-parallel
+    // shard the update goes out with Train (the ranks derive its seed), with several it waits for
+    // every shard's batch digest.
+    let stretch = if job.spec.trainer.parallelism.data == 1 { "train+update+refit" } else { "update+refit" };
     for step in v["steps"]["steps"].as_array().unwrap() {
         assert_eq!(step["version"], step["step"], "refit version = step");
         assert!(step["imbalance"].as_f64().unwrap() >= 1.0);
+        let parts = step["control_phases"].as_object().unwrap();
+        assert!(parts.contains_key(stretch), "{parts:?}");
+        let sum: f64 = parts.values().map(|p| p.as_f64().unwrap()).sum();
+        assert!((sum - step["control_s"].as_f64().unwrap()).abs() < 1e-9, "the parts make the control time: {step}");
     }
     assert!(s["dispatches"].as_u64().unwrap() > 0);
 }

@@ -3,11 +3,19 @@
 //!
 //! The parent plays the coordinator: it sends `--commands` commands to each of `--ranks` rank
 //! processes (one at a time, as a step's phase does) and records, per command, the one-way time
-//! (send → the rank has it, on the host's monotonic clock) and the round trip to the rank's
-//! acknowledgment. Then each rank answers a raw 32-byte ping-pong on a plain socket: the floor any
-//! TCP protocol between two processes of this host pays. Last, the cost of the authenticated
-//! handshake every connection starts with ([`crate::net`]): `--handshakes` loopback connections
-//! with it, against the same connections with one plain round trip instead.
+//! (send → the rank has it, on the host's monotonic clock) and the round trip (its answer's way
+//! back added, the rank's holding time taken out). Then it runs `--steps` GRPO-step-shaped
+//! exchanges (the ranks do no work, so a step's time is all control): the commands of
+//! [`crate::coordinator`]'s step, for half the ranks as trainer ranks (each its own data-parallel
+//! shard, the first a refit sender) and half as engines (producers and receivers) — once one
+//! command round at a time (Generate, Train, Update, Refit, each waited for, as the coordinator
+//! did before queuing commands) and twice as the coordinator sends them now (with several shards:
+//! the update's seed needs every shard's batch; with one shard or a user's trainer: the update
+//! goes with Train). Then each rank answers a raw 32-byte ping-pong on a plain socket: the floor
+//! any TCP protocol between two processes of this host pays, against which the step's cost is
+//! given. Last, the cost of the authenticated handshake every connection starts with
+//! ([`crate::net`]): `--handshakes` loopback connections with it, against the same connections
+//! with one plain round trip instead.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -17,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
-use crate::control::{Command, ControlClient, ControlServer, Reply, Report, percentile_us};
+use crate::control::{Command, ControlClient, ControlServer, Pending, Reply, Report, percentile_us};
 use crate::net::{self, Hello, JobAuth};
 
 /// Arguments of `rlplane bench control`.
@@ -32,6 +40,9 @@ pub struct Args {
     /// Loopback connections timed with and without the authenticated handshake.
     #[arg(long, default_value_t = 500)]
     pub handshakes: u32,
+    /// Step-shaped exchanges per way of sending a step's commands (needs at least 2 ranks).
+    #[arg(long, default_value_t = 600)]
+    pub steps: u32,
 }
 
 /// Arguments of a control peer process.
@@ -97,6 +108,11 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         server.run(&names, Command::Generate { step: i }, Instant::now() + Duration::from_secs(10)).await?;
     }
     let per_phase = t.elapsed() / args.commands;
+    let steps = if args.ranks >= 2 && args.steps > 0 {
+        step_exchanges(&mut server, &names, args.steps).await?
+    } else {
+        Vec::new()
+    };
     server.shutdown_all().await;
 
     // The raw floor: every rank connects once and answers 32-byte pings.
@@ -127,13 +143,25 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     );
     println!(
         "{:<44} {:>10.1} {:>10.1}",
-        "dispatch, round trip (→ acknowledgment)",
+        "dispatch, round trip (there and back)",
         p(&server.dispatch, 50.0),
         p(&server.dispatch, 99.0)
     );
     println!("{:<44} {:>10.1} {:>10.1}", "raw TCP ping-pong, same processes", raw50, p(&raw_rtt, 99.0));
     println!("round trip ÷ raw ping-pong (p50): {:.2}", p(&server.dispatch, 50.0) / raw50);
     println!("one command to all {} ranks and back, done: {:.1} µs", args.ranks, per_phase.as_secs_f64() * 1e6);
+    if !steps.is_empty() {
+        let (t, g) = (args.ranks.div_ceil(2), args.ranks / 2);
+        println!(
+            "GRPO-step-shaped exchange, no work ({t} trainer ranks, {g} engines; {} steps each): control per step",
+            args.steps
+        );
+        println!("{:<44} {:>10} {:>10} {:>14}", "", "p50 µs", "p99 µs", "p50 ÷ raw p50");
+        for (way, times) in &steps {
+            let s50 = p(times, 50.0);
+            println!("{:<44} {:>10.1} {:>10.1} {:>14.2}", way.label(), s50, p(times, 99.0), s50 / raw50);
+        }
+    }
     if args.handshakes > 0 {
         let (authed, plain) = handshake_cost(&auth, args.handshakes).await?;
         println!("{:<44} {:>10.1} {:>10.1}", "connect + authenticated handshake", p(&authed, 50.0), p(&authed, 99.0));
@@ -144,6 +172,118 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A way of sending a step's commands.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Way {
+    /// One command round at a time, each waited for: Generate, Train, Update, Refit.
+    Rounds,
+    /// As the coordinator does now with several data-parallel shards: Train; then Update with
+    /// the sender's Refit behind it; the receivers' Refit once the sender's update is in, with the
+    /// producers' next Generate behind it.
+    Queued,
+    /// As the coordinator does now with one shard (or a user's trainer): Train with Update and
+    /// the sender's Refit behind it; then as above.
+    QueuedWithTrain,
+}
+
+impl Way {
+    fn label(self) -> &'static str {
+        match self {
+            Way::Rounds => "one round at a time (4 round trips)",
+            Way::Queued => "queued, several shards (3 round trips)",
+            Way::QueuedWithTrain => "queued, one shard or user's trainer (2 round trips)",
+        }
+    }
+}
+
+/// Runs `steps` step-shaped exchanges for every [`Way`], interleaved in blocks so that load
+/// changes on the host hit each alike; returns each way's per-step times. The first half of
+/// `names` are trainer ranks (the first one sends the refit), the rest engines.
+async fn step_exchanges(
+    server: &mut ControlServer,
+    names: &[String],
+    steps: u32,
+) -> anyhow::Result<Vec<(Way, Vec<Duration>)>> {
+    let split = names.len().div_ceil(2);
+    let (trainers, engines) = names.split_at(split);
+    let sender = &trainers[0];
+    let timeout = Duration::from_secs(10);
+    let ways = [Way::Rounds, Way::Queued, Way::QueuedWithTrain];
+    let mut times: Vec<(Way, Vec<Duration>)> = ways.iter().map(|&w| (w, Vec::with_capacity(steps as usize))).collect();
+    const BLOCK: u32 = 50;
+    let mut step = 0u32;
+    let mut done = 0;
+    while done < steps {
+        let n = BLOCK.min(steps - done);
+        for (way, times) in &mut times {
+            // Each block starts with nothing queued; its first step's Generate goes out as the step
+            // begins, like step 1 of a run.
+            let mut ahead = None;
+            for i in 0..n {
+                step += 1;
+                let last = i + 1 == n;
+                let t = Instant::now();
+                ahead = one_step(server, *way, step, trainers, sender, engines, ahead, last, timeout).await?;
+                times.push(t.elapsed());
+            }
+        }
+        done += n;
+    }
+    Ok(times)
+}
+
+/// One step's commands sent `way`; returns the next step's Generate when it went out queued.
+#[allow(clippy::too_many_arguments)]
+async fn one_step(
+    server: &mut ControlServer,
+    way: Way,
+    step: u32,
+    trainers: &[String],
+    sender: &String,
+    engines: &[String],
+    ahead: Option<Pending>,
+    last: bool,
+    timeout: Duration,
+) -> anyhow::Result<Option<Pending>> {
+    let deadline = || Instant::now() + timeout;
+    let version = step as u64;
+    let generate = |s| engines.iter().map(move |e| (e.clone(), Command::Generate { step: s }));
+    let train = trainers.iter().map(|t| (t.clone(), Command::Train { step, batch: None }));
+    let update = |seed| trainers.iter().map(move |t| (t.clone(), Command::Update { step, seed }));
+    let receive = engines.iter().map(|e| (e.clone(), Command::Refit { version, expected: 0 }));
+    let send = [(sender.clone(), Command::Refit { version, expected: 0 })];
+    if way == Way::Rounds {
+        server.run_each(generate(step).collect(), deadline()).await?;
+        server.run_each(train.collect(), deadline()).await?;
+        server.run_each(update(Some(step as u64)).collect(), deadline()).await?;
+        server.run_each(send.into_iter().chain(receive).collect(), deadline()).await?;
+        return Ok(None);
+    }
+    let generated = match ahead {
+        Some(p) => p,
+        None => server.dispatch(generate(step)).await?,
+    };
+    server.wait(generated, deadline()).await?;
+    let updates = if way == Way::QueuedWithTrain {
+        let sent = server.dispatch(train.chain(update(None)).chain(send)).await?;
+        let (train, updates) = server.split(sent, |c, _| c == "train");
+        server.wait(train, deadline()).await?;
+        updates
+    } else {
+        server.run_each(train.collect(), deadline()).await?;
+        server.dispatch(update(Some(step as u64)).chain(send)).await?
+    };
+    let (updates, sent) = server.split(updates, |c, _| c == "update");
+    let (first, others) = server.split(updates, |_, r| r == sender);
+    server.wait(first, deadline()).await?;
+    let next = (!last).then(|| generate(step + 1)).into_iter().flatten();
+    let received = server.dispatch(receive.chain(next)).await?;
+    let (next, received) = server.split(received, |c, _| c == "generate");
+    server.wait(others, deadline()).await?;
+    server.wait(sent.merge(received), deadline()).await?;
+    Ok((!next.is_empty()).then_some(next))
 }
 
 /// Times `n` loopback connections that run the authenticated handshake, and `n` that make one
@@ -201,7 +341,7 @@ pub fn run_peer(args: PeerArgs) -> anyhow::Result<()> {
             if env.command == Command::Shutdown {
                 break;
             }
-            c.reply(&Reply::Done { seq: env.seq, report: Report::default() }).await?;
+            c.done(env.seq, Report::default()).await?;
         }
         let mut s = TcpStream::connect(&args.raw).await?;
         s.set_nodelay(true)?;

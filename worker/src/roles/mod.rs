@@ -69,11 +69,11 @@ pub async fn serve_commands<R: Rank>(control: &mut ControlClient, rank: &mut R, 
         match rank.execute(command).instrument(span.clone()).await {
             Ok(report) => {
                 span.in_scope(|| tracing::debug!(busy_s = report.busy_secs, bytes = report.bytes, "{name} done"));
-                control.reply(&Reply::Done { seq, report }).await?
+                control.done(seq, report).await?
             }
             Err(e) => {
                 let error = format!("{e:#}");
-                control.reply(&Reply::Failed { seq, error: error.clone() }).await?;
+                control.failed(seq, error.clone()).await?;
                 // A failed command leaves this rank's state (weights, sockets) unknown: stop, so
                 // the supervisor reports it and the gang restarts.
                 anyhow::bail!("{name} failed: {error}");

@@ -51,6 +51,9 @@ struct Trainer {
     timeout: std::time::Duration,
     /// How receivers check each refit (`spec.refit.verify`): what this sender digests.
     verify: RefitVerify,
+    /// The step and digest of the last batch trained on: the update's seed when the coordinator
+    /// leaves it to the rank.
+    last_batch: Option<(u32, u64)>,
 }
 
 /// Runs trainer rank `me`.
@@ -155,7 +158,8 @@ pub async fn run(
     let tq = TqClient::new(ClientConfig::from_plan(plan, me, auth)?, None)?;
     let timeout = std::time::Duration::from_secs(plan.refit.timeout_seconds as u64);
     let verify = plan.refit.verify;
-    let mut rank = Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics, user, timeout, verify };
+    let mut rank =
+        Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics, user, timeout, verify, last_batch: None };
     let served = serve_commands(&mut control, &mut rank, &plan.job.token).await;
     super::end_user_session(rank.user.as_ref(), &served).await;
     served
@@ -249,6 +253,7 @@ impl Trainer {
         };
         let t = Instant::now();
         let digest = batch_digest(&batch);
+        self.last_batch = Some((step, digest));
         if let Some(link) = &self.user {
             // The user's trainer takes it from here (next_batch).
             link.deliver_batch(step, &batch)
@@ -281,7 +286,7 @@ impl Trainer {
         Ok(train_report(&batch, fetched, digest, phases, secs(t0)))
     }
 
-    async fn update(&mut self, step: u32, seed: u64) -> anyhow::Result<Report> {
+    async fn update(&mut self, step: u32, seed: Option<u64>) -> anyhow::Result<Report> {
         let t = Instant::now();
         if let Some(link) = &self.user {
             // The user's optimizer step is the update: wait for its publish.
@@ -315,6 +320,14 @@ impl Trainer {
                 ..Default::default()
             });
         }
+        let seed = match (seed, self.last_batch) {
+            (Some(seed), _) => seed,
+            // One data-parallel shard: its batch digest (this rank's) is the only one.
+            (None, Some((s, digest))) if s == step => crate::control::update_seed(step, &[digest]),
+            (None, _) => {
+                anyhow::bail!("step {step}: no seed for the update and no batch of this step to derive it from")
+            }
+        };
         self.shard.update(&self.shard_plan, seed)?;
         // Senders report the digest of what they will send (once per version, whatever the number
         // of receivers); the receivers must match it.

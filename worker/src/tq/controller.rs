@@ -528,6 +528,10 @@ pub struct TqController {
     watched: Arc<Mutex<BTreeSet<u32>>>,
     /// The job is over: units going away are expected, not lost.
     closed: Arc<std::sync::atomic::AtomicBool>,
+    /// One connection per unit for clears, opened at the first and kept: a step's clear is then
+    /// one small frame each way instead of a connection and an authenticated handshake per unit
+    /// per step, which cost the units' processes CPU in the middle of the refit.
+    clear_links: Arc<BTreeMap<u32, tokio::sync::Mutex<Option<TcpStream>>>>,
 }
 
 fn lock(core: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
@@ -541,6 +545,7 @@ impl TqController {
     pub fn new(config: ControllerConfig) -> TqController {
         TqController {
             core: Arc::new(Mutex::new(Controller::new(config.lease))),
+            clear_links: Arc::new(config.units.keys().map(|&u| (u, tokio::sync::Mutex::new(None))).collect()),
             config: Arc::new(config),
             watched: Arc::default(),
             closed: Arc::default(),
@@ -608,8 +613,9 @@ impl TqController {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let lost = lock(&self.core).lost_units().clone();
         let jobs = self.config.units.iter().filter(|(u, _)| !lost.contains_key(u)).map(|(&unit, addr)| {
-            let auth = self.config.auth.clone();
-            async move { (unit, clear_unit(addr, &auth, partition, deadline).await) }
+            let auth = &self.config.auth;
+            let link = &self.clear_links[&unit];
+            async move { (unit, clear_unit(link, addr, auth, partition, deadline).await) }
         });
         let mut report = ClearReport { freed: 0, units: 0, unreachable: Vec::new() };
         for (unit, r) in futures::future::join_all(jobs).await {
@@ -767,29 +773,53 @@ pub(crate) async fn connect_unit(
     Ok(s)
 }
 
+/// Clears `partition` in the unit at `addr` over its kept connection `link` (opened if there is
+/// none yet). A kept connection that fails is replaced once: the unit may have closed it.
 async fn clear_unit(
+    link: &tokio::sync::Mutex<Option<TcpStream>>,
     addr: &str,
     auth: &JobAuth,
     partition: &str,
     deadline: tokio::time::Instant,
 ) -> Result<u64, String> {
     let work = async {
-        let mut s = connect_unit(addr, auth, "tq-controller", deadline).await.map_err(|e| e.to_string())?;
-        let h = Header { version: WIRE_VERSION, request_id: 1, token: auth.token().into() };
-        codec::write_message(&mut s, &h, &Body::ClearUnit { partition: partition.into() })
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut buf = Vec::new();
-        match codec::read_message(&mut s, &mut buf).await.map_err(|e| e.to_string())? {
-            (_, Body::Cleared { freed, .. }) => Ok(freed),
-            (_, Body::Error { message, .. }) => Err(message),
-            (_, other) => Err(format!("unexpected reply kind {}", other.kind())),
+        let mut link = link.lock().await;
+        // Out of the slot while in use: a request cut short (the deadline) drops the connection
+        // rather than leave its reply for the next clear to read.
+        let mut kept = link.take();
+        loop {
+            let reused = kept.is_some();
+            let mut s = match kept.take() {
+                Some(s) => s,
+                None => connect_unit(addr, auth, "tq-controller", deadline).await.map_err(|e| e.to_string())?,
+            };
+            match clear_request(&mut s, auth, partition).await {
+                Ok(answer) => {
+                    *link = Some(s);
+                    return answer;
+                }
+                Err(e) if !reused => return Err(e),
+                Err(_) => {}
+            }
         }
     };
     match tokio::time::timeout_at(deadline, work).await {
         Ok(r) => r,
         Err(_) => Err(format!("no answer from {addr} within the deadline")),
     }
+}
+
+/// One clear request on `s`: the unit's answer (`Ok(Err)` when it refused), or the connection's
+/// failure.
+async fn clear_request(s: &mut TcpStream, auth: &JobAuth, partition: &str) -> Result<Result<u64, String>, String> {
+    let h = Header { version: WIRE_VERSION, request_id: 1, token: auth.token().into() };
+    codec::write_message(s, &h, &Body::ClearUnit { partition: partition.into() }).await.map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    Ok(match codec::read_message(s, &mut buf).await.map_err(|e| e.to_string())? {
+        (_, Body::Cleared { freed, .. }) => Ok(freed),
+        (_, Body::Error { message, .. }) => Err(message),
+        (_, other) => Err(format!("unexpected reply kind {}", other.kind())),
+    })
 }
 
 /// Returns why the unit is considered dead, or None if the watch ended because `alive` said so.
