@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Refit through the Python client against `rlplane bench refit` for the same bytes, in one run
 # (docs/benchmarks.md, "Through the Python client").
-# Usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo]
+# Usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo] [split] [grpo-split]
 #   BIN: the release rlplane binary. python must import torch and numpy; the client is taken
 #   from ./python (PYTHONPATH) when it is not installed.
 #   gpu:  Llama-3-8B-sized tensors, colocated on GPU 0 (CUDA IPC)  vs  bench refit --colocated
 #   cpu:  Qwen3-0.6B-sized tensors, split over TCP                  vs  bench refit --transport tcp
 #   grpo: examples/tiny-grpo colocated on GPU 0, checked against its CUDA reference loop
+#   split: Llama-3-8B-sized tensors, trainer on GPU 0, engine on GPU 1 (NCCL)  vs  bench refit --transport nccl
+#   grpo-split: examples/tiny-grpo with the trainer and the engine on two GPUs (NCCL)
 set -u
-bin=$(realpath "${1:?usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo]}")
+bin=$(realpath "${1:?usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo] [split] [grpo-split]}")
 shift
 what=${*:-gpu cpu}
 cd "$(dirname "$0")/.."
@@ -49,5 +51,28 @@ strip = lambda r: [{k: v for k, v in x.items() if k not in ("elapsed_s", "refit_
 rs = {n: json.load(open(f"{o}/{n}.json")) for n in ("ref-cuda", "grpo-gpu")}
 for n, r in rs.items(): print(n, "steps", r["steps"], "first", r["first_reward"], "final", r["final_reward"], "passed", r["passed"])
 print("rlplane GPU run equals the CUDA reference step for step:", strip(rs["ref-cuda"]) == strip(rs["grpo-gpu"]))
+PY
+fi
+if [[ " $what " == *" split "* ]]; then
+  echo "=== 2 GPUs: client refit of Llama-3-8B-sized torch tensors, split (NCCL)"
+  timeout 300 "$bin" local bench/client/rljob-split-8b.yaml > "$out/client-split.log" 2>&1; echo "rc=$?"
+  tail -8 "$out/client-split.log"
+  echo "=== 2 GPUs: rlplane bench refit --transport nccl, same bytes, same run"
+  timeout 200 "$bin" bench refit --transport nccl --receivers 1 --model llama3-8b \
+    --bucket-bytes 1073741824 --buffers 2 --iters 10 2>&1 | tee "$out/bench-split.log" | tail -14
+fi
+if [[ " $what " == *" grpo-split "* ]]; then
+  echo "=== tiny-grpo on two GPUs (NCCL)"
+  [ -f "$out/ref-cuda.json" ] || (cd examples/tiny-grpo && timeout 200 python reference.py --device cuda --out "$out/ref-cuda.json" > "$out/ref-cuda.log" 2>&1)
+  TINY_GRPO_RESULT=$out/grpo-split.json timeout 300 "$bin" local examples/tiny-grpo/rljob-gpu-split.yaml > "$out/grpo-split.log" 2>&1
+  echo "rc=$?"; tail -12 "$out/grpo-split.log"
+  python - "$out" <<'PY'
+import json, sys
+o = sys.argv[1]
+strip = lambda r: [{k: v for k, v in x.items() if k not in ("elapsed_s", "refit_s")} for x in r["curve"]]
+rs = {n: json.load(open(f"{o}/{n}.json")) for n in ("ref-cuda", "grpo-split")}
+for n, r in rs.items(): print(n, "steps", r["steps"], "first", r["first_reward"], "final", r["final_reward"], "passed", r["passed"])
+print("every refit's probe logits equal:", all(x["probe_equal"] for x in rs["grpo-split"]["curve"]))
+print("rlplane 2-GPU run equals the CUDA reference step for step:", strip(rs["ref-cuda"]) == strip(rs["grpo-split"]))
 PY
 fi

@@ -25,7 +25,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent
 REPO = EXAMPLE.parent.parent
 
 
-@pytest.mark.parametrize("job", ["rljob.yaml", "rljob-gpu-colocated.yaml"])
+@pytest.mark.parametrize("job", ["rljob.yaml", "rljob-gpu-colocated.yaml", "rljob-gpu-split.yaml"])
 def test_job_lists_the_models_tensors(job):
     # The RLJob's spec.model.tensors must be TinyLM's manifest, else register_model is refused.
     text = (EXAMPLE / job).read_text()
