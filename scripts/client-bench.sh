@@ -39,19 +39,29 @@ if [[ " $what " == *" cpu "* ]]; then
   timeout 200 "$bin" bench refit --transport tcp --receivers 1 --model qwen3-0.6b --bucket-bytes 268435456 \
     --buffers 2 --iters 10 2>&1 | tee "$out/bench-cpu.log" | tail -10
 fi
+# tiny-grpo through rlplane (manifest $1, results named $2) against the CUDA reference loop,
+# which runs once per invocation: equal step for step, every refit's probe logits equal.
+grpo_vs_reference() {
+  if [ -z "${ref_done:-}" ]; then
+    (cd examples/tiny-grpo && timeout 200 python reference.py --device cuda --out "$out/ref-cuda.json" \
+      > "$out/ref-cuda.log" 2>&1; tail -1 "$out/ref-cuda.log")
+    ref_done=1
+  fi
+  TINY_GRPO_RESULT=$out/$2.json timeout 300 "$bin" local "$1" > "$out/$2.log" 2>&1
+  echo "rc=$?"; tail -12 "$out/$2.log"
+  python - "$out" "$2" <<'PY'
+import json, sys
+o, run = sys.argv[1], sys.argv[2]
+strip = lambda r: [{k: v for k, v in x.items() if k not in ("elapsed_s", "refit_s")} for x in r["curve"]]
+rs = {n: json.load(open(f"{o}/{n}.json")) for n in ("ref-cuda", run)}
+for n, r in rs.items(): print(n, "steps", r["steps"], "first", r["first_reward"], "final", r["final_reward"], "passed", r["passed"])
+print("every refit's probe logits equal:", all(x["probe_equal"] for x in rs[run]["curve"]))
+print("rlplane run equals the CUDA reference step for step:", strip(rs["ref-cuda"]) == strip(rs[run]))
+PY
+}
 if [[ " $what " == *" grpo "* ]]; then
   echo "=== tiny-grpo colocated on one GPU"
-  (cd examples/tiny-grpo && timeout 200 python reference.py --device cuda --out "$out/ref-cuda.json" > "$out/ref-cuda.log" 2>&1; tail -1 "$out/ref-cuda.log")
-  TINY_GRPO_RESULT=$out/grpo-gpu.json timeout 300 "$bin" local examples/tiny-grpo/rljob-gpu-colocated.yaml > "$out/grpo-gpu.log" 2>&1
-  echo "rc=$?"; tail -12 "$out/grpo-gpu.log"
-  python - "$out" <<'PY'
-import json, sys
-o = sys.argv[1]
-strip = lambda r: [{k: v for k, v in x.items() if k not in ("elapsed_s", "refit_s")} for x in r["curve"]]
-rs = {n: json.load(open(f"{o}/{n}.json")) for n in ("ref-cuda", "grpo-gpu")}
-for n, r in rs.items(): print(n, "steps", r["steps"], "first", r["first_reward"], "final", r["final_reward"], "passed", r["passed"])
-print("rlplane GPU run equals the CUDA reference step for step:", strip(rs["ref-cuda"]) == strip(rs["grpo-gpu"]))
-PY
+  grpo_vs_reference examples/tiny-grpo/rljob-gpu-colocated.yaml grpo-gpu
 fi
 if [[ " $what " == *" split "* ]]; then
   echo "=== 2 GPUs: client refit of Llama-3-8B-sized torch tensors, split (NCCL)"
@@ -63,16 +73,5 @@ if [[ " $what " == *" split "* ]]; then
 fi
 if [[ " $what " == *" grpo-split "* ]]; then
   echo "=== tiny-grpo on two GPUs (NCCL)"
-  [ -f "$out/ref-cuda.json" ] || (cd examples/tiny-grpo && timeout 200 python reference.py --device cuda --out "$out/ref-cuda.json" > "$out/ref-cuda.log" 2>&1)
-  TINY_GRPO_RESULT=$out/grpo-split.json timeout 300 "$bin" local examples/tiny-grpo/rljob-gpu-split.yaml > "$out/grpo-split.log" 2>&1
-  echo "rc=$?"; tail -12 "$out/grpo-split.log"
-  python - "$out" <<'PY'
-import json, sys
-o = sys.argv[1]
-strip = lambda r: [{k: v for k, v in x.items() if k not in ("elapsed_s", "refit_s")} for x in r["curve"]]
-rs = {n: json.load(open(f"{o}/{n}.json")) for n in ("ref-cuda", "grpo-split")}
-for n, r in rs.items(): print(n, "steps", r["steps"], "first", r["first_reward"], "final", r["final_reward"], "passed", r["passed"])
-print("every refit's probe logits equal:", all(x["probe_equal"] for x in rs["grpo-split"]["curve"]))
-print("rlplane 2-GPU run equals the CUDA reference step for step:", strip(rs["ref-cuda"]) == strip(rs["grpo-split"]))
-PY
+  grpo_vs_reference examples/tiny-grpo/rljob-gpu-split.yaml grpo-split
 fi
