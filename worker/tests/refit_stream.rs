@@ -99,6 +99,34 @@ async fn four_buffers_sharded_tp2_with_a_tree_relay_and_small_chunks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buckets_without_staging_all_in_flight_beside_staged_ones_through_few_buffers() {
+    // What the GPU transports do (`Transport::pipelines_direct`): buckets moved in place are not
+    // held to the window, the staged ones (strided column shards) still rotate through one or two
+    // buffers. Small buckets so that both kinds interleave many times, several refits so that a
+    // reused buffer overwritten too early would corrupt a checksum.
+    for (buffers, receivers, bucket_kib) in [(1, 1, 16), (2, 1, 8), (2, 3, 12), (2, 1, 24), (3, 1, 12)] {
+        let mut o = tiny();
+        o.buffers = buffers;
+        o.receivers = receivers;
+        o.source = RefitSource::Sharded;
+        o.tp = 2;
+        o.bucket_bytes = bucket_kib << 10;
+        o.extra_flags.insert("*".into(), vec!["--pipeline-direct".into()]);
+        let mut h = Harness::start(o).await.expect("peers connect");
+        for version in 1..=3 {
+            let round = h.refit(version).await.expect("refit");
+            assert_round(&round, version, receivers as usize);
+            for r in &round.receivers {
+                let s = r.stats.as_ref().unwrap();
+                assert!(s.staged_bytes > 0 && s.direct_bytes > 0, "{}: {s:?}", r.process);
+                assert!(s.buckets > 8, "{s:?}");
+            }
+        }
+        h.quit().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plan_mismatch_fails_both_sides_with_both_plans() {
     let mut o = tiny();
     o.receivers = 1;

@@ -150,6 +150,10 @@ pub struct PeerArgs {
     /// Test hook: compute the plan with this bucket size instead of the plan's (a mismatched rank).
     #[arg(long)]
     pub skew_bucket_bytes: Option<u64>,
+    /// Test hook: the transport lets buckets without staging all be in flight at once, as the
+    /// GPU transports do (`Transport::pipelines_direct`); give it to every peer of a stream.
+    #[arg(long)]
+    pub pipeline_direct: bool,
 }
 
 /// Stream settings that the benchmark and its peers share: the peers get the benchmark's.
@@ -276,7 +280,7 @@ pub struct HarnessOptions {
     pub seed: u64,
     /// Whether to open the raw reference stream (one sender only).
     pub raw: bool,
-    /// Extra peer flags per process name (test hooks such as `--slow-ms`).
+    /// Extra peer flags per process name, `*` for every peer (test hooks such as `--slow-ms`).
     pub extra_flags: HashMap<String, Vec<String>>,
 }
 
@@ -384,10 +388,12 @@ pub fn shard_of(t: &TensorSpec, full: &[u8], tp: u32, tp_size: u32) -> Vec<u8> {
 // ---------------------------------------------------------------------------------------------
 // A slow transport, for the tests' slow peers.
 
-/// Wraps a transport, sleeping before every wait: a peer that consumes its buckets slowly.
+/// Wraps a transport, sleeping before every wait (a peer that consumes its buckets slowly), and
+/// optionally pipelining buckets without staging (the GPU transports' window, over TCP).
 struct Slow<T> {
     inner: T,
     delay: Duration,
+    pipeline_direct: bool,
 }
 
 impl<T: Transport> Transport for Slow<T> {
@@ -432,6 +438,12 @@ impl<T: Transport> Transport for Slow<T> {
     fn copy_busy(&self) -> Duration {
         self.inner.copy_busy()
     }
+    fn stage_below(&self) -> u64 {
+        self.inner.stage_below()
+    }
+    fn pipelines_direct(&self) -> bool {
+        self.pipeline_direct || self.inner.pipelines_direct()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -461,6 +473,7 @@ struct PeerSetup {
     options: TcpOptions,
     config: StreamConfig,
     slow: Duration,
+    pipeline_direct: bool,
 }
 
 async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
@@ -489,6 +502,7 @@ async fn peer_main(args: PeerArgs) -> anyhow::Result<()> {
         options,
         config,
         slow: Duration::from_millis(args.slow_ms),
+        pipeline_direct: args.pipeline_direct,
     };
     let result = if group.senders.contains(&me) {
         run_sender(&setup, &args).await
@@ -526,7 +540,11 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let mut sender = RefitSender::new(stream.plan.clone(), Slow { inner: transport, delay: s.slow }, s.config)?;
+    let mut sender = RefitSender::new(
+        stream.plan.clone(),
+        Slow { inner: transport, delay: s.slow, pipeline_direct: s.pipeline_direct },
+        s.config,
+    )?;
     let mut source = HostTensors::zeroed(stream.plan.tensors().iter().map(|t| t.source_bytes.unwrap_or(0)));
     emit(&PeerEvent { event: "ready".into(), process: s.name.clone(), ok: true, ..Default::default() });
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
@@ -551,7 +569,7 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
                 }
                 if broken {
                     let t = refit::connect_tcp_sender(&s.wp, stream, &listener, &s.auth, &s.options).await?;
-                    sender.replace_transport(Slow { inner: t, delay: s.slow });
+                    sender.replace_transport(Slow { inner: t, delay: s.slow, pipeline_direct: s.pipeline_direct });
                 }
                 let start = Instant::now();
                 let r = sender.send(version, &source).await;
@@ -618,7 +636,7 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
         }
         None => None,
     };
-    let slow = |t: TcpTransport| Slow { inner: t, delay: s.slow };
+    let slow = |t: TcpTransport| Slow { inner: t, delay: s.slow, pipeline_direct: s.pipeline_direct };
     let mut receiver = RefitReceiver::new(
         s.streams.iter().zip(transports).map(|(st, t)| (st.plan.clone(), slow(t))).collect(),
         s.config,
@@ -831,7 +849,9 @@ impl Harness {
             if let Some(port) = raw_port.filter(|_| is_first_receiver || is_sender) {
                 args.extend(["--raw-port".into(), port.to_string()]);
             }
-            args.extend(harness.options.extra_flags.get(p).cloned().unwrap_or_default());
+            for key in ["*", p.as_str()] {
+                args.extend(harness.options.extra_flags.get(key).cloned().unwrap_or_default());
+            }
             let peer = harness.start_peer(p, args)?;
             harness.peers.push(peer);
         }

@@ -32,8 +32,8 @@ use rlplane_api::spec::RefitSpec;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::refit::memory::{Copy2d, DestinationMemory, Region, SourceMemory, StagingBuffer};
-use crate::refit::plan::RefitPlan;
+use crate::refit::memory::{Copy2d, DestinationMemory, MemorySpace, Region, SourceMemory, StagingBuffer};
+use crate::refit::plan::{RefitPlan, Segment};
 use crate::transport::{Piece, Transport, TransportError};
 
 /// When segments go through staging buffers.
@@ -348,12 +348,31 @@ impl<T: Transport> RefitSender<T> {
             let streaming = Instant::now();
             let copy_start = t.transport.copy_busy();
             let mut slots: Vec<Option<(usize, T::Ticket)>> = (0..n).map(|_| None).collect();
+            // Buckets without staging, all in flight at once where the transport allows it.
+            let mut unbuffered: Vec<(usize, T::Ticket)> = Vec::new();
             let mut pieces: Vec<Piece> = Vec::new();
             let mut copies: Vec<Copy2d> = Vec::new();
             let mut buffer_wait = Duration::ZERO;
+            let stage_below = t.transport.stage_below();
+            let direct = |seg: &Segment, space: MemorySpace, t: &T| {
+                config.staging == StagingPolicy::WhenNeeded
+                    && seg.src_contiguous()
+                    && seg.bytes() >= stage_below
+                    && t.reaches(space)
+            };
+            let mut windowed = 0usize;
             for (k, bucket) in buckets.iter().enumerate() {
-                let slot = k % n;
-                if let Some((prev, ticket)) = slots[slot].take() {
+                let segments = &plan.segments()[bucket.segments.clone()];
+                // A bucket all in place holds no buffer slot: on a transport that pipelines
+                // those, only the others wait for a slot (see `Transport::pipelines_direct`).
+                let unstaged = t.transport.pipelines_direct()
+                    && segments.iter().all(|seg| {
+                        let src = regions[seg.tensor as usize].expect("checked against the plan");
+                        direct(seg, src.space, &*t.transport)
+                    });
+                let slot = windowed % n;
+                windowed += usize::from(!unstaged);
+                if !unstaged && let Some((prev, ticket)) = slots[slot].take() {
                     let w = Instant::now();
                     t.transport
                         .wait(ticket, config.deadline())
@@ -363,14 +382,10 @@ impl<T: Transport> RefitSender<T> {
                 }
                 pieces.clear();
                 copies.clear();
-                for (i, seg) in plan.segments()[bucket.segments.clone()].iter().enumerate() {
+                for (i, seg) in segments.iter().enumerate() {
                     let src = regions[seg.tensor as usize].expect("checked against the plan");
                     let segment = (bucket.segments.start + i) as u32;
-                    let direct = config.staging == StagingPolicy::WhenNeeded
-                        && seg.src_contiguous()
-                        && seg.bytes() >= t.transport.stage_below()
-                        && t.transport.reaches(src.space);
-                    if direct {
+                    if direct(seg, src.space, &*t.transport) {
                         pieces.push(Piece { segment, region: src.sub(seg.src_offset, seg.bytes()) });
                         stats.direct_bytes += seg.bytes();
                     } else {
@@ -398,18 +413,24 @@ impl<T: Transport> RefitSender<T> {
                 // SAFETY: as above; the pieces stay untouched until the ticket is waited on.
                 let ticket = unsafe { t.transport.submit(k as u32, &pieces) }
                     .map_err(|e| blame.at(Phase::Transfer, Some(k), e))?;
-                slots[slot] = Some((k, ticket));
+                if unstaged {
+                    unbuffered.push((k, ticket));
+                } else {
+                    slots[slot] = Some((k, ticket));
+                }
                 stats.bytes += bucket.payload_bytes;
             }
-            // Drain in submission order.
-            let first = buckets.len().saturating_sub(n);
-            for k in first..buckets.len() {
-                if let Some((prev, ticket)) = slots[k % n].take() {
-                    t.transport
-                        .wait(ticket, config.deadline())
-                        .await
-                        .map_err(|e| blame.at(Phase::Transfer, Some(prev), e))?;
-                }
+            // Drain the buffered buckets in submission order. The others are left to `end`, which
+            // returns once every receiver holds the whole version: waiting for each of them here
+            // would put a confirmation's trip per bucket before it (see
+            // `Transport::pipelines_direct`).
+            let mut buffered: Vec<(usize, T::Ticket)> = slots.into_iter().flatten().collect();
+            buffered.sort_by_key(|(k, _)| *k);
+            for (prev, ticket) in buffered {
+                t.transport
+                    .wait(ticket, config.deadline())
+                    .await
+                    .map_err(|e| blame.at(Phase::Transfer, Some(prev), e))?;
             }
             stats.transfer_secs = streaming.elapsed().as_secs_f64();
             stats.pack_secs = (t.transport.copy_busy() - copy_start).as_secs_f64();
@@ -418,6 +439,7 @@ impl<T: Transport> RefitSender<T> {
             t.transport.end(version, config.deadline()).await.map_err(|e| blame.at(Phase::End, None, e))?;
             stats.end_secs = ending.elapsed().as_secs_f64();
             stats.total_secs = start.elapsed().as_secs_f64();
+            drop(unbuffered);
             Ok(stats)
         }
         .await;
@@ -602,19 +624,31 @@ impl<T: Transport> StreamPart<'_, T> {
         let streaming = Instant::now();
         let copy_start = t.copy_busy();
         let mut unpacks: Vec<Option<(usize, T::Ticket)>> = (0..n).map(|_| None).collect();
-        let mut pending: VecDeque<(usize, T::Ticket)> = VecDeque::with_capacity(n);
+        // Outstanding transfers, oldest first, each with the buffer slot it holds (none for a
+        // bucket all in place on a transport that pipelines those).
+        let mut pending: VecDeque<(usize, T::Ticket, Option<usize>)> = VecDeque::with_capacity(n);
+        let mut windowed = 0usize;
         let mut pieces: Vec<Piece> = Vec::new();
         let mut buffer_wait = Duration::ZERO;
         let mut transfers_done = Duration::ZERO;
+        let stage_below = t.stage_below();
+        let pipelines_direct = t.pipelines_direct();
+        let direct = |seg: &Segment, space: MemorySpace, t: &T| {
+            config.staging == StagingPolicy::WhenNeeded
+                && seg.dst_contiguous()
+                && seg.bytes() >= stage_below
+                && t.reaches(space)
+        };
 
         // Waits for the oldest outstanding transfer and queues its unpack.
         macro_rules! complete_oldest {
             () => {{
-                let (k, ticket) = pending.pop_front().expect("a transfer is outstanding");
+                let (k, ticket, slot) = pending.pop_front().expect("a transfer is outstanding");
                 t.wait(ticket, config.deadline()).await.map_err(|e| blame.at(Phase::Transfer, Some(k), e))?;
                 transfers_done = streaming.elapsed();
-                let slot = k % n;
-                if !self.slot_copies[slot].is_empty() {
+                if let Some(slot) = slot
+                    && !self.slot_copies[slot].is_empty()
+                {
                     // SAFETY: the destination is borrowed for the whole call and the staging slot
                     // is not reused before this ticket completes; `Armed` aborts on failure/drop.
                     let ticket =
@@ -626,22 +660,29 @@ impl<T: Transport> StreamPart<'_, T> {
         }
 
         for (k, bucket) in buckets.iter().enumerate() {
-            let slot = k % n;
-            if let Some((prev, ticket)) = unpacks[slot].take() {
-                let w = Instant::now();
-                t.wait(ticket, config.deadline()).await.map_err(|e| blame.at(Phase::Unpack, Some(prev), e))?;
-                buffer_wait += w.elapsed();
+            let segments = &plan.segments()[bucket.segments.clone()];
+            // A bucket all in place holds no buffer slot: on a transport that pipelines those,
+            // only the others count against the window (see `Transport::pipelines_direct`).
+            let unstaged = pipelines_direct
+                && segments.iter().all(|seg| {
+                    let dst = regions[seg.tensor as usize].expect("checked against the plan");
+                    direct(seg, dst.space, &*t)
+                });
+            let slot = windowed % n;
+            if !unstaged {
+                windowed += 1;
+                if let Some((prev, ticket)) = unpacks[slot].take() {
+                    let w = Instant::now();
+                    t.wait(ticket, config.deadline()).await.map_err(|e| blame.at(Phase::Unpack, Some(prev), e))?;
+                    buffer_wait += w.elapsed();
+                }
+                self.slot_copies[slot].clear();
             }
             pieces.clear();
-            self.slot_copies[slot].clear();
-            for (i, seg) in plan.segments()[bucket.segments.clone()].iter().enumerate() {
+            for (i, seg) in segments.iter().enumerate() {
                 let dst = regions[seg.tensor as usize].expect("checked against the plan");
                 let segment = (bucket.segments.start + i) as u32;
-                let direct = config.staging == StagingPolicy::WhenNeeded
-                    && seg.dst_contiguous()
-                    && seg.bytes() >= t.stage_below()
-                    && t.reaches(dst.space);
-                if direct {
+                if direct(seg, dst.space, &*t) {
                     pieces.push(Piece { segment, region: dst.sub(seg.dst_offset, seg.bytes()) });
                     stats.direct_bytes += seg.bytes();
                 } else {
@@ -663,9 +704,9 @@ impl<T: Transport> StreamPart<'_, T> {
             // SAFETY: as above; the pieces are this stream's disjoint part of the destination or
             // this slot's staging buffer, whose previous unpack completed.
             let ticket = unsafe { t.submit(k as u32, &pieces) }.map_err(|e| blame.at(Phase::Transfer, Some(k), e))?;
-            pending.push_back((k, ticket));
+            pending.push_back((k, ticket, (!unstaged).then_some(slot)));
             stats.bytes += bucket.payload_bytes;
-            while pending.len() >= n {
+            while pending.iter().filter(|(_, _, slot)| slot.is_some()).count() >= n {
                 complete_oldest!();
             }
         }

@@ -154,6 +154,10 @@ pub struct IpcTransport {
     /// (`RLPLANE_IPC_COPY=driver` uses them for everything, for comparison). Copies between GPUs
     /// stay on the copy engines, measured faster over NVLink.
     batch_copies: bool,
+    /// Whether every bucket moved in place is in flight at once (see `pipelines_direct`);
+    /// `RLPLANE_IPC_WINDOW=buffers` holds them to `num_buffers` at a time, for comparison. Both
+    /// sides of a stream read the same environment (a job's processes share it).
+    pipeline_direct: bool,
     copy_stream: Arc<CudaStream>,
     copy_busy: Duration,
     aborted: Option<String>,
@@ -273,6 +277,7 @@ impl IpcTransport {
             streams: [s(copier, "a copy stream")?, s(copier, "a copy stream")?],
             batch_copies: copier.ordinal() == gpu.ordinal()
                 && !std::env::var("RLPLANE_IPC_COPY").is_ok_and(|v| v == "driver"),
+            pipeline_direct: !std::env::var("RLPLANE_IPC_WINDOW").is_ok_and(|v| v == "buffers"),
             copy_stream: s(gpu, "the pack stream")?,
             copy_busy: Duration::ZERO,
             aborted: None,
@@ -901,6 +906,13 @@ impl Transport for IpcTransport {
         // Tiny copies are cheap to issue, and staging them would add round trips: nothing is
         // packed (measured: colocated 12.2 ms with packing, 8.3 ms without).
         0
+    }
+
+    fn pipelines_direct(&self) -> bool {
+        // Copies go on the receiver's streams in bucket order, and direct pieces need no buffer:
+        // announcing every bucket at once takes the host's round trip per bucket (acknowledge,
+        // announce the next) off the GPU's path.
+        self.pipeline_direct
     }
 }
 

@@ -205,6 +205,18 @@ pub trait Transport: Send {
     fn stage_below(&self) -> u64 {
         0
     }
+
+    /// Whether buckets that use no staging buffer (every piece moved in place, from the sender's
+    /// tensors into the receiver's) may all be in flight at once instead of `num_buffers` at a
+    /// time. The window exists to reuse staging buffers; a bucket without one needs none, and a
+    /// transport whose transfers are ordered on a GPU stream can queue the whole refit at once, so
+    /// that the GPU never waits for the host's round trip between buckets (an acknowledgment to
+    /// the sender, its next announcement). The sending side then leaves those buckets' tickets
+    /// unwaited: its `end` alone must return only once every receiver holds all of them. Both
+    /// sides of a stream must answer alike.
+    fn pipelines_direct(&self) -> bool {
+        false
+    }
 }
 
 /// The spans to move for a bucket's pieces: each piece alone, except that runs of consecutive
