@@ -3,12 +3,12 @@
 # Usage: scripts/gpu-bench.sh DIR [STEP...]
 #   DIR holds the release `rlplane` binary and the `gpu-tests` executable (the path printed by
 #   `cargo test --release -p rlplane --test gpu --no-run`).
-#   STEPs (default: all): tests split auto colocated sharded local control
+#   STEPs (default: all): tests split auto colocated window sharded local control
 # Every step has its own time limit, so that one hang cannot eat the rest.
 set -u
 dir=${1:?usage: scripts/gpu-bench.sh DIR [STEP...]}
 shift
-steps=${*:-tests split auto colocated sharded local control}
+steps=${*:-tests split auto colocated window sharded local control}
 bin=$dir/rlplane
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -25,6 +25,20 @@ if want tests; then step "GPU tests"; timeout 240 "$dir/gpu-tests" --test-thread
 if want split; then step "split refit over NCCL, 1 receiver"; timeout 120 "$bin" bench refit --transport nccl --receivers 1 $llama; fi
 if want auto; then step "split refit, auto (NCCL vs CUDA IPC copy engines)"; timeout 150 "$bin" bench refit --transport auto --receivers 1 $llama; fi
 if want colocated; then step "colocated refit over CUDA IPC (direct vs staged)"; timeout 150 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 $llama; fi
+if want window; then
+  # The colocated refit's spread across processes (each bench run is a fresh pair of processes),
+  # alternating every bucket in flight (the default) and two at a time (RLPLANE_IPC_WINDOW=buffers,
+  # the window of staging buffers, which direct copies do not need), at two bucket sizes.
+  for i in 1 2 3; do
+    for bucket in 1073741824 268435456; do
+      for window in buffers all; do
+        step "colocated refit, run $i, buckets of $bucket bytes, in flight: $window"
+        RLPLANE_IPC_WINDOW=$window timeout 150 "$bin" bench refit --transport cuda-ipc --colocated --receivers 1 \
+          --model llama3-8b --bucket-bytes $bucket --buffers 2 --iters 10
+      done
+    done
+  done
+fi
 if want sharded && [ "$gpus" -ge 4 ]; then
   step "sharded refit, tp=2 -> 2 receivers, vs gather-then-broadcast"
   timeout 180 "$bin" bench refit --transport nccl --source sharded --tp 2 --receivers 2 $llama

@@ -144,6 +144,10 @@ enum Op {
     Raw { group: String, bytes: u64 },
     /// One device-to-device copy of `bytes` (timed).
     D2d { bytes: u64 },
+    /// One device-to-device copy per piece of `sizes` (the model's tensors), issued on `streams`
+    /// streams in turn as the colocated refit issues them (timed): the copies without the
+    /// refit's control messages.
+    D2dPieces { sizes: Vec<u64>, streams: u32 },
     /// Gather the second half onto the root, then broadcast everything (timed).
     GatherBroadcast { total: u64, chunks: u32, overlapped: bool },
     /// Drop the refit transport.
@@ -173,6 +177,11 @@ pub struct Row {
     pub secs: f64,
     /// GB/s (bytes ÷ seconds).
     pub gbps: f64,
+    /// The fastest and the slowest timed run, in seconds (the spread around the median; zero in
+    /// ratio rows).
+    pub min_secs: f64,
+    /// See `min_secs`.
+    pub max_secs: f64,
 }
 
 impl Row {
@@ -182,8 +191,21 @@ impl Row {
         if self.what.starts_with("  ") {
             format!("{:<72} {:>33.3}", self.what, self.gbps)
         } else {
-            format!("{:<72} {:>14} {:>9.2} {:>8.1}", self.what, self.bytes, self.secs * 1e3, self.gbps)
+            format!(
+                "{:<72} {:>14} {:>9.2} {:>8.1}   {:.2}–{:.2}",
+                self.what,
+                self.bytes,
+                self.secs * 1e3,
+                self.gbps,
+                self.min_secs * 1e3,
+                self.max_secs * 1e3
+            )
         }
+    }
+
+    /// A ratio row: `value` printed alone.
+    fn ratio(what: String, value: f64) -> Row {
+        Row { what, bytes: 0, secs: 0.0, gbps: value, min_secs: 0.0, max_secs: 0.0 }
     }
 }
 
@@ -241,7 +263,7 @@ pub fn run(args: GpuBenchArgs) -> anyhow::Result<()> {
 }
 
 fn print_rows(args: &GpuBenchArgs, rows: &[Row]) -> anyhow::Result<()> {
-    println!("{:<72} {:>14} {:>9} {:>8}", "measurement", "bytes/receiver", "ms", "GB/s");
+    println!("{:<72} {:>14} {:>9} {:>8}   min–max ms", "measurement", "bytes/receiver", "ms", "GB/s");
     for r in rows {
         println!("{}", r.line());
     }
@@ -373,6 +395,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
     let receivers: Vec<usize> = (s..peers.len()).collect();
     let model_bytes = manifest_bytes(&plan.manifest());
     let mut rows = Vec::new();
+    let mut copy_rows = Vec::new();
     let timed = |replies: &[Reply]| replies.iter().map(|r| r.secs).fold(0.0, f64::max);
     let iters = args.iters.max(1);
 
@@ -395,7 +418,21 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
                 t.push(timed(&r));
             }
         }
-        rows.push(row("ceiling: one device-to-device copy of the model", model_bytes, median(t)));
+        rows.push(row("ceiling: one device-to-device copy of the model", model_bytes, t));
+        // Where a refit's time goes beyond that copy: the same bytes as one copy per tensor,
+        // without any control message.
+        let sizes: Vec<u64> = plan.manifest().iter().map(|t| t.size_bytes()).collect();
+        for streams in [1, 2] {
+            let mut t = Vec::new();
+            for i in 0..args.warmup + iters {
+                let r = all(peers, &[0], |_| Op::D2dPieces { sizes: sizes.clone(), streams }).await?;
+                if i >= args.warmup {
+                    t.push(timed(&r));
+                }
+            }
+            let what = format!("reference: one device copy per tensor, {streams} stream(s) ({} copies)", sizes.len());
+            copy_rows.push(row(&what, model_bytes, t));
+        }
     } else {
         let ceiling_bytes = if args.tp > 1 { model_bytes } else { 1 << 30 };
         let mut t = Vec::new();
@@ -410,7 +447,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
         } else {
             format!("ceiling: raw NCCL broadcast of 1 GiB, 1 → {}", receivers.len())
         };
-        rows.push(row(&what, ceiling_bytes, median(t)));
+        rows.push(row(&what, ceiling_bytes, t));
     }
 
     // Refit variants.
@@ -449,11 +486,11 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
             (_, true, _) => "refit over CUDA IPC, same GPU, staged (2 copies)".into(),
             _ => format!("refit over CUDA IPC copy engines → {}", receivers.len()),
         };
-        let m = median(t);
+        let m = median(t.clone());
         if !staged && best.as_ref().is_none_or(|(_, b)| m < *b) {
             best = Some((name.clone(), m));
         }
-        rows.push(row(&format!("{name} (checksums verified)"), model_bytes, m));
+        rows.push(row(&format!("{name} (checksums verified)"), model_bytes, t));
     }
     if args.transport == GpuTransport::Auto
         && !args.colocated
@@ -478,7 +515,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
             } else {
                 "gather-then-broadcast, sequential".to_string()
             };
-            rows.push(row(&what, model_bytes, median(t)));
+            rows.push(row(&what, model_bytes, t));
         }
     }
 
@@ -494,7 +531,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
                 read.push(timed(&r));
             }
         }
-        verify_rows.push(row("ceiling: one read of the model's bytes on a receiver's GPU", model_bytes, median(read)));
+        verify_rows.push(row("ceiling: one read of the model's bytes on a receiver's GPU", model_bytes, read));
         for verify in [RefitVerify::Full, RefitVerify::Sampled] {
             let mut t = Vec::new();
             for i in 0..args.warmup + iters {
@@ -503,7 +540,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
                     t.push(r);
                 }
             }
-            verify_rows.push(row(&format!("refit check, verify: {verify:?}, on a receiver"), model_bytes, median(t)));
+            verify_rows.push(row(&format!("refit check, verify: {verify:?}, on a receiver"), model_bytes, t));
         }
     }
 
@@ -511,53 +548,31 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
     let ceiling = rows[0].gbps;
     let mut ratio_rows = Vec::new();
     for r in &rows[1..] {
-        ratio_rows.push(Row {
-            what: format!("  ratio: {} ÷ ceiling", short(&r.what)),
-            bytes: 0,
-            secs: 0.0,
-            gbps: r.gbps / ceiling,
-        });
+        ratio_rows.push(Row::ratio(format!("  ratio: {} ÷ ceiling", short(&r.what)), r.gbps / ceiling));
     }
     if args.colocated && rows.len() >= 3 {
-        ratio_rows.push(Row {
-            what: "  ratio: direct ÷ staged".into(),
-            bytes: 0,
-            secs: 0.0,
-            gbps: rows[2].secs / rows[1].secs,
-        });
+        ratio_rows.push(Row::ratio("  ratio: direct ÷ staged".into(), rows[2].secs / rows[1].secs));
     }
     if args.tp > 1 && rows.len() >= 4 {
         let ours = rows[1].secs;
-        ratio_rows.push(Row {
-            what: "  speed-up: sharded ÷ sequential gather".into(),
-            bytes: 0,
-            secs: 0.0,
-            gbps: rows[2].secs / ours,
-        });
-        ratio_rows.push(Row {
-            what: "  speed-up: sharded ÷ overlapped gather".into(),
-            bytes: 0,
-            secs: 0.0,
-            gbps: rows[3].secs / ours,
-        });
+        ratio_rows.push(Row::ratio("  speed-up: sharded ÷ sequential gather".into(), rows[2].secs / ours));
+        ratio_rows.push(Row::ratio("  speed-up: sharded ÷ overlapped gather".into(), rows[3].secs / ours));
     }
     if let [read, full, sampled] = &verify_rows[..] {
         let refit = rows[1].secs;
-        ratio_rows.push(Row {
-            what: "  ratio: verify Full's GB/s ÷ the GPU's read GB/s".into(),
-            bytes: 0,
-            secs: 0.0,
-            gbps: full.gbps / read.gbps,
-        });
+        ratio_rows.push(Row::ratio("  ratio: verify Full's GB/s ÷ the GPU's read GB/s".into(), full.gbps / read.gbps));
         for (r, name) in [(full, "Full"), (sampled, "Sampled")] {
-            ratio_rows.push(Row {
-                what: format!("  ratio: verify {name} ÷ the refit it checks ({})", short(&rows[1].what)),
-                bytes: 0,
-                secs: 0.0,
-                gbps: r.secs / refit,
-            });
+            ratio_rows.push(Row::ratio(
+                format!("  ratio: verify {name} ÷ the refit it checks ({})", short(&rows[1].what)),
+                r.secs / refit,
+            ));
         }
     }
+    for r in &copy_rows {
+        ratio_rows
+            .push(Row::ratio(format!("  ratio: {} ÷ {}", short(&rows[1].what), short(&r.what)), r.secs / rows[1].secs));
+    }
+    rows.extend(copy_rows);
     rows.extend(verify_rows);
     rows.extend(ratio_rows);
     Ok(rows)
@@ -631,8 +646,19 @@ fn short(s: &str) -> &str {
     s.split(" (").next().unwrap_or(s)
 }
 
-fn row(what: &str, bytes: u64, secs: f64) -> Row {
-    Row { what: what.into(), bytes, secs, gbps: if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 } }
+/// A measured row from its timed runs: the median, and the fastest and slowest run.
+fn row(what: &str, bytes: u64, runs: Vec<f64>) -> Row {
+    let min_secs = runs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max_secs = runs.iter().copied().fold(0.0, f64::max);
+    let secs = median(runs);
+    Row {
+        what: what.into(),
+        bytes,
+        secs,
+        gbps: if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 },
+        min_secs: if min_secs.is_finite() { min_secs } else { 0.0 },
+        max_secs,
+    }
 }
 
 async fn make_comm(peers: &mut [Peer], group: &str, members: &[usize]) -> anyhow::Result<()> {
@@ -827,6 +853,26 @@ impl PeerState {
                 // SAFETY: two buffers of `bytes` on this GPU.
                 unsafe { copy_async(dst, src, bytes, &stream) }.map_err(gerr)?;
                 stream.synchronize().map_err(|e| anyhow::anyhow!("{e}"))?;
+                reply.secs = t.elapsed().as_secs_f64();
+            }
+            Op::D2dPieces { sizes, streams } => {
+                let aligned = |b: u64| b.next_multiple_of(256);
+                let total = sizes.iter().map(|&b| aligned(b)).sum();
+                let src = self.flat("d2d-src", total)?;
+                let dst = self.flat("d2d-dst", total)?;
+                let streams =
+                    (0..streams.max(1)).map(|_| self.gpu.stream().map_err(gerr)).collect::<Result<Vec<_>, _>>()?;
+                self.sync()?;
+                let t = Instant::now();
+                let mut at = 0;
+                for (i, &b) in sizes.iter().enumerate() {
+                    // SAFETY: disjoint pieces of two buffers of `total` bytes on this GPU.
+                    unsafe { copy_async(dst + at, src + at, b, &streams[i % streams.len()]) }.map_err(gerr)?;
+                    at += aligned(b);
+                }
+                for s in &streams {
+                    s.synchronize().map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
                 reply.secs = t.elapsed().as_secs_f64();
             }
             Op::GatherBroadcast { total, chunks, overlapped } => {
