@@ -128,7 +128,9 @@ const GET_CHUNK_KEYS: usize = 256;
 pub struct TqClient {
     config: ClientConfig,
     local: Option<Arc<StorageUnit>>,
-    controller: tokio::sync::Mutex<Option<TcpStream>>,
+    /// The controller connection (opened at the first request) and the buffer its replies are
+    /// read into, kept between requests.
+    controller: tokio::sync::Mutex<(Option<TcpStream>, Vec<u8>)>,
     units: HashMap<u32, tokio::sync::Mutex<Option<TcpStream>>>,
     next_request: AtomicU32,
 }
@@ -177,7 +179,7 @@ impl TqClient {
         Ok(TqClient {
             config,
             local,
-            controller: tokio::sync::Mutex::new(None),
+            controller: tokio::sync::Mutex::new((None, Vec::new())),
             units,
             next_request: AtomicU32::new(1),
         })
@@ -225,7 +227,8 @@ impl TqClient {
     // Controller requests.
 
     async fn controller_rpc(&self, body: &Body) -> Result<Body, TqError> {
-        let mut slot = self.controller.lock().await;
+        let mut guard = self.controller.lock().await;
+        let (slot, buf) = &mut *guard;
         let addr = self.config.controller.clone();
         if slot.is_none() {
             let deadline = Instant::now() + self.config.connect_timeout;
@@ -237,10 +240,12 @@ impl TqClient {
         }
         let s = slot.as_mut().expect("connected above");
         let h = self.header();
+        if buf.capacity() > codec::KEPT_BUFFER {
+            *buf = Vec::new();
+        }
         let result = async {
             codec::write_message(s, &h, body).await.map_err(|e| NetError::io("sending to the controller", &addr, e))?;
-            let mut buf = Vec::new();
-            match codec::read_message(s, &mut buf).await {
+            match codec::read_message(s, buf).await {
                 Ok((rh, b)) if rh.request_id == h.request_id => Ok(b),
                 Ok((rh, _)) => Err(TqError::Protocol {
                     peer: addr.clone(),

@@ -319,9 +319,9 @@ impl Body {
 // ---------------------------------------------------------------------------------------------
 // Encoding.
 
-struct Writer(Vec<u8>);
+struct Writer<'a>(&'a mut Vec<u8>);
 
-impl Writer {
+impl Writer<'_> {
     fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
@@ -403,7 +403,16 @@ impl Writer {
 
 /// Encodes a header frame's payload (without its u32 length prefix).
 pub fn encode(header: &Header, body: &Body) -> Vec<u8> {
-    let mut w = Writer(Vec::with_capacity(64));
+    let mut out = Vec::with_capacity(64);
+    encode_into(&mut out, header, body);
+    out
+}
+
+/// [`encode`] into `out` (cleared first), reusing its allocation: a service replying on one
+/// connection keeps one buffer instead of allocating (and faulting in) one per reply.
+pub fn encode_into(out: &mut Vec<u8>, header: &Header, body: &Body) {
+    out.clear();
+    let mut w = Writer(out);
     w.u16(header.version);
     w.u8(body.kind());
     w.u8(0);
@@ -469,7 +478,6 @@ pub fn encode(header: &Header, body: &Body) -> Vec<u8> {
             w.str(message);
         }
     }
-    w.0
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -868,6 +876,23 @@ impl<'a> Outgoing<'a> {
 pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, header: &Header, body: &Body) -> std::io::Result<()> {
     Outgoing::new(header, body).write(w).await
 }
+
+/// [`write_message`], encoding into `frame` (kept by the caller between messages).
+pub async fn write_message_with<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &Header,
+    body: &Body,
+    frame: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    encode_into(frame, header, body);
+    let len = (frame.len() as u32).to_le_bytes();
+    write_all_vectored(w, &mut [IoSlice::new(&len), IoSlice::new(frame)]).await?;
+    w.flush().await
+}
+
+/// Largest buffer a connection keeps between messages; one left larger by a big message is
+/// dropped, so that an idle connection does not hold it.
+pub const KEPT_BUFFER: usize = 4 << 20;
 
 /// Failure reading a message from a stream.
 #[derive(Debug, thiserror::Error)]

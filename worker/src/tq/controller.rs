@@ -125,18 +125,37 @@ pub struct PartitionStatus {
     pub groups: Vec<GroupStatus>,
 }
 
-#[derive(Clone, Copy, Debug)]
-enum Slot {
-    Free,
-    Claimed { id: u64, until: Instant },
-    Acked,
-}
+/// A slot (one per sample of a partition, per group) not handed out yet.
+const FREE: u32 = 0;
+/// A slot acknowledged: done for the group.
+const ACKED: u32 = u32::MAX;
 
+/// One consumer group's progress on a partition.
 #[derive(Debug, Default)]
 struct Group {
-    slots: Vec<Slot>,
+    /// Per sample: [`FREE`], [`ACKED`], or `c` — claimed by `claims[c - 1]`. Four bytes a sample,
+    /// so a group's slots for a 4096-sample step are 16 KB.
+    slots: Vec<u32>,
+    /// The group's claims: id and lease end.
+    claims: Vec<(u64, Instant)>,
     /// Every slot before it is acked: claims scan from here.
     first_open: usize,
+}
+
+impl Group {
+    /// Free, or claimed under a lease that ran out by `now`.
+    fn claimable(&self, slot: u32, now: Instant) -> bool {
+        match slot {
+            FREE => true,
+            ACKED => false,
+            c => self.claims[c as usize - 1].1 <= now,
+        }
+    }
+
+    /// Claimed under a lease still running at `now`.
+    fn leased(&self, slot: u32, now: Instant) -> bool {
+        slot != FREE && slot != ACKED && self.claims[slot as usize - 1].1 > now
+    }
 }
 
 /// A partition's samples, column by column (as a claim hands them out): sample `i` is entry `i`
@@ -199,17 +218,9 @@ impl Samples {
         self.key_bytes.get(self.key_start(i)..self.key_ends[i]).unwrap_or_default()
     }
 
-    /// The metadata of the samples `picked` (ascending), columns copied run by run: a claim of
-    /// consecutive samples (a whole step) is one copy per column.
-    fn batch(&self, partition: &str, picked: &[usize]) -> Result<BatchMeta, ControllerError> {
-        let k = picked.len();
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for &i in picked {
-            match runs.last_mut() {
-                Some((_, end)) if *end == i => *end = i + 1,
-                _ => runs.push((i, i + 1)),
-            }
-        }
+    /// The metadata of the samples in `runs` (ascending, disjoint ranges; `k` samples in all),
+    /// copied run by run: a claim of consecutive samples (a whole step) is one copy per column.
+    fn batch(&self, partition: &str, runs: &[(usize, usize)], k: usize) -> Result<BatchMeta, ControllerError> {
         let key_bytes: usize = runs.iter().map(|&(s, e)| self.key_ends[e - 1] - self.key_start(s)).sum();
         if key_bytes > u32::MAX as usize {
             return Err(ControllerError::BadRequest(format!(
@@ -225,7 +236,7 @@ impl Samples {
         let mut set_map = vec![u32::MAX; self.tag_sets.len()];
         let mut tag_sets = Vec::new();
         let mut tag_index = Vec::with_capacity(k);
-        for &(s, e) in &runs {
+        for &(s, e) in runs {
             let (from, to) = (self.key_start(s), keys.len());
             keys.push_str(self.key_bytes.get(from..self.key_ends[e - 1]).unwrap_or_default());
             // Below key_bytes, checked above.
@@ -478,34 +489,43 @@ impl Controller {
             }
         }
         let g = part.groups.entry(group.to_string()).or_default();
-        g.slots.resize(part.samples.units.len(), Slot::Free);
-        let claimable = |slot: Slot| match slot {
-            Slot::Free => true,
-            Slot::Claimed { until, .. } => until <= now,
-            Slot::Acked => false,
-        };
-        let mut picked = Vec::with_capacity(n.min(g.slots.len().saturating_sub(g.first_open)));
+        g.slots.resize(part.samples.len(), FREE);
+        let present = &part.samples.present;
+        let ready = |g: &Group, j: usize| g.claimable(g.slots[j], now) && present[j] & mask == mask;
+        // The ready samples, as runs of consecutive ones (a whole step is one run).
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut picked = 0usize;
         let mut i = g.first_open;
-        while i < g.slots.len() && picked.len() < n {
-            if claimable(g.slots[i]) && part.samples.present[i] & mask == mask {
-                picked.push(i);
+        while i < g.slots.len() && picked < n {
+            if ready(g, i) {
+                match runs.last_mut() {
+                    Some((_, end)) if *end == i => *end = i + 1,
+                    _ => runs.push((i, i + 1)),
+                }
+                picked += 1;
             }
             i += 1;
         }
-        if picked.len() < min {
+        if picked < min {
             // With min > n, samples past the n picked count towards min too.
-            let more = (i..g.slots.len())
-                .filter(|&j| claimable(g.slots[j]) && part.samples.present[j] & mask == mask)
-                .take(min - picked.len())
-                .count();
-            if picked.len() + more < min {
+            let more = (i..g.slots.len()).filter(|&j| ready(g, j)).take(min - picked).count();
+            if picked + more < min {
                 return Ok(Claim { group: group.into(), claim_id: id, lease, meta });
             }
         }
-        let meta = part.samples.batch(partition, &picked)?;
-        let until = now + lease;
-        for &i in &picked {
-            g.slots[i] = Slot::Claimed { id, until };
+        if picked == 0 {
+            return Ok(Claim { group: group.into(), claim_id: id, lease, meta });
+        }
+        let slot = u32::try_from(g.claims.len() + 1).ok().filter(|&c| c != ACKED).ok_or_else(|| {
+            ControllerError::BadRequest(format!(
+                "group `{group}` has made {} claims of partition `{partition}`; use a new group or partition",
+                g.claims.len()
+            ))
+        })?;
+        let meta = part.samples.batch(partition, &runs, picked)?;
+        g.claims.push((id, now + lease));
+        for &(s, e) in &runs {
+            g.slots[s..e].fill(slot);
         }
         Ok(Claim { group: group.into(), claim_id: id, lease, meta })
     }
@@ -538,15 +558,16 @@ impl Controller {
         let mut report = AckReport { acked: 0, stale: Vec::new() };
         for i in idx {
             match g.slots[i] {
-                Slot::Claimed { id, .. } if id == claim_id => {
-                    g.slots[i] = Slot::Acked;
+                ACKED => {}
+                FREE => report.stale.push(part.samples.key(i).to_string()),
+                c if g.claims[c as usize - 1].0 == claim_id => {
+                    g.slots[i] = ACKED;
                     report.acked += 1;
                 }
-                Slot::Acked => {}
                 _ => report.stale.push(part.samples.key(i).to_string()),
             }
         }
-        while g.first_open < g.slots.len() && matches!(g.slots[g.first_open], Slot::Acked) {
+        while g.first_open < g.slots.len() && g.slots[g.first_open] == ACKED {
             g.first_open += 1;
         }
         Ok(report)
@@ -585,8 +606,8 @@ impl Controller {
             .iter()
             .map(|(name, g)| GroupStatus {
                 group: name.clone(),
-                claimed: g.slots.iter().filter(|s| matches!(s, Slot::Claimed { until, .. } if *until > now)).count(),
-                acked: g.slots.iter().filter(|s| matches!(s, Slot::Acked)).count(),
+                claimed: g.slots.iter().filter(|&&s| g.leased(s, now)).count(),
+                acked: g.slots.iter().filter(|&&s| s == ACKED).count(),
             })
             .collect();
         groups.sort_by(|a, b| a.group.cmp(&b.group));
@@ -769,7 +790,13 @@ impl TqController {
                 .await?;
         let peer = hello.peer;
         let mut buf = Vec::new();
+        let mut out = Vec::new();
         loop {
+            for b in [&mut buf, &mut out] {
+                if b.capacity() > codec::KEPT_BUFFER {
+                    *b = Vec::new();
+                }
+            }
             let (header, body) = match codec::read_message(&mut stream, &mut buf).await {
                 Ok(m) => m,
                 Err(ReadError::Io(e)) => return Err(NetError::io("reading a request", peer.as_str(), e)),
@@ -792,7 +819,7 @@ impl TqController {
             } else {
                 self.handle(body).await
             };
-            codec::write_message(&mut stream, &self.reply_header(header.request_id), &reply)
+            codec::write_message_with(&mut stream, &self.reply_header(header.request_id), &reply, &mut out)
                 .await
                 .map_err(|e| NetError::io("replying", peer.as_str(), e))?;
         }
