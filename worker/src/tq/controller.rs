@@ -1043,13 +1043,25 @@ mod tests {
         // Ack a; b's lease runs out; b's samples come back, a's never.
         let keys: Vec<String> = a.meta.keys().map(String::from).collect();
         assert_eq!(c.ack("p", "train", a.claim_id, &keys).unwrap().acked, 4);
+        let train = |c: &Controller, at| {
+            let g = c.status("p", at).unwrap().groups.into_iter().find(|g| g.group == "train").unwrap();
+            (g.claimed, g.acked)
+        };
+        assert_eq!(train(&c, t0), (6, 4));
         let later = t0 + Duration::from_secs(11);
+        assert_eq!(train(&c, later), (0, 4), "b's lease ran out");
         let again = c.claim("p", "train", 100, 0, &req("ids"), later).unwrap();
         assert!(again.meta.keys().eq(b.meta.keys()));
         // b's late ack is stale for the keys the new claim holds.
         let bkeys: Vec<String> = b.meta.keys().map(String::from).collect();
         let r = c.ack("p", "train", b.claim_id, &bkeys).unwrap();
         assert_eq!((r.acked, r.stale.len()), (0, 6));
+        assert_eq!(train(&c, later), (6, 4));
+        // Acking again changes nothing; the new claim's ack counts.
+        assert_eq!(c.ack("p", "train", a.claim_id, &keys).unwrap(), AckReport { acked: 0, stale: vec![] });
+        assert_eq!(c.ack("p", "train", again.claim_id, &bkeys).unwrap().acked, 6);
+        assert_eq!(train(&c, later), (0, 10));
+        assert!(c.claim("p", "train", 100, 0, &req("ids"), later + Duration::from_secs(60)).unwrap().meta.is_empty());
     }
 
     #[test]
