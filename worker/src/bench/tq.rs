@@ -800,6 +800,11 @@ async fn raw_round_trips(reply: usize, rounds: u32) -> anyhow::Result<Vec<f64>> 
     Ok(times)
 }
 
+/// How many of `times` (µs) exceed 1 ms: the calls a scheduler time slice caught.
+fn over_1ms(times: &[f64]) -> usize {
+    times.iter().filter(|&&t| t > 1000.0).count()
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -1217,7 +1222,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
             }
         }
         times.sort_by(f64::total_cmp);
-        lat.insert(label, (percentile(&times, 0.5), percentile(&times, 0.99)));
+        lat.insert(label, (percentile(&times, 0.5), percentile(&times, 0.99), over_1ms(&times)));
     }
     // Reference, same run: a plain loopback round trip moving as many bytes as the whole-partition
     // claim's reply — the floor any TCP protocol pays for it.
@@ -1233,7 +1238,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     .len();
     let mut raw_rt = raw_round_trips(reply_bytes, a.claim_rounds).await?;
     raw_rt.sort_by(f64::total_cmp);
-    let raw_rt = (percentile(&raw_rt, 0.5), percentile(&raw_rt, 0.99));
+    let raw_rt = (percentile(&raw_rt, 0.5), percentile(&raw_rt, 0.99), over_1ms(&raw_rt));
     controller.clear(cpart).await;
     for p in
         storage.iter_mut().chain(producers.iter_mut()).chain(consumers.iter_mut()).chain(followers.iter_mut().flatten())
@@ -1247,8 +1252,9 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         "step_bytes": total_bytes, "put_gbps": put_gbps, "get_gbps": get_gbps, "put_to_get_ms": p2g,
         "raw_gbps": raw, "get_over_raw": ratio,
         "ranks_per_shard": a.ranks_per_shard, "fetch": a.fetch, "shard_fetch_ms": shard_fetch_ms,
-        "claim_reply_bytes": reply_bytes, "raw_claim_round_trip_us": json!({"p50": raw_rt.0, "p99": raw_rt.1}),
-        "claim_us": lat.iter().map(|(k, (p50, p99))| (k.to_string(), json!({"p50": p50, "p99": p99}))).collect::<serde_json::Map<_, _>>(),
+        "claim_reply_bytes": reply_bytes, "raw_claim_round_trip_us": json!({"p50": raw_rt.0, "p99": raw_rt.1, "over_1ms": raw_rt.2}),
+        "claim_us": lat.iter().map(|(k, (p50, p99, over))| (k.to_string(), json!({"p50": p50, "p99": p99, "over_1ms": over}))).collect::<serde_json::Map<_, _>>(),
+        "claim_rounds": a.claim_rounds,
         "storage_rss_bytes": rss_last, "storage_peak_rss_bytes": rss_peak,
         "steps_detail": step_rows,
     });
@@ -1266,14 +1272,18 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         "  every rank has its batch {:>7.1} ms   ({} ranks per shard, fetch {})",
         shard_fetch_ms, a.ranks_per_shard, a.fetch
     );
-    for (k, (p50, p99)) in &lat {
-        println!("  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   ({n}-sample partition)", k, p50, p99);
+    let rounds = a.claim_rounds;
+    for (k, (p50, p99, over)) in &lat {
+        println!(
+            "  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   over 1 ms {over:>3} of {rounds}   ({n}-sample partition)",
+            k, p50, p99
+        );
     }
     println!(
-        "  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   (plain socket, {reply_bytes} bytes: the whole claim's reply)",
-        "raw_round_trip", raw_rt.0, raw_rt.1
+        "  {:<21} p50 {:>8.1} µs   p99 {:>8.1} µs   over 1 ms {:>3} of {rounds}   (plain socket, {reply_bytes} bytes: the whole claim's reply)",
+        "raw_round_trip", raw_rt.0, raw_rt.1, raw_rt.2
     );
-    if let Some((p50, _)) = lat.get("tcp_claim_all") {
+    if let Some((p50, ..)) = lat.get("tcp_claim_all") {
         println!("  tcp_claim_all / raw round trip (p50) {:>6.2}", p50 / raw_rt.0);
     }
     println!(
