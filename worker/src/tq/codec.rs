@@ -369,14 +369,14 @@ impl Writer<'_> {
         if key_offsets.is_empty() {
             self.u32(0);
         } else {
-            extend_le32(&mut self.0, key_offsets);
+            extend_le32(self.0, key_offsets);
         }
         self.0.extend_from_slice(keys.as_bytes());
-        extend_le32(&mut self.0, m.units());
-        extend_le32(&mut self.0, m.tokens());
+        extend_le32(self.0, m.units());
+        extend_le32(self.0, m.tokens());
         for f in 0..nf {
             match m.field_rows(f) {
-                Some(rows) => extend_le32(&mut self.0, rows),
+                Some(rows) => extend_le32(self.0, rows),
                 None => (0..n).for_each(|_| self.u32(ABSENT)),
             }
         }
@@ -389,7 +389,7 @@ impl Writer<'_> {
                 self.str(v);
             }
         }
-        extend_le32(&mut self.0, index);
+        extend_le32(self.0, index);
     }
     fn block(&mut self, b: &Block) {
         self.u32(b.n);
