@@ -26,8 +26,10 @@ use crate::net::{self, Hello, JobAuth, NetError};
 /// Protocol magic of the control channel.
 pub const MAGIC: [u8; 4] = *b"RCTL";
 /// Protocol version. 2: `Update`'s seed may be left to the rank (one data-parallel shard, or a
-/// user's trainer), and commands may arrive queued behind one another.
-pub const VERSION: u16 = 2;
+/// user's trainer), and commands may arrive queued behind one another. 3: a `Train` command's
+/// batch is the columnar JSON form of [`crate::tq::BatchMeta`] (`keys`, `units`, `tokens`, `rows`
+/// per field, `tag_sets`, `tags`), no longer one object per sample.
+pub const VERSION: u16 = 3;
 
 /// What the coordinator asks a rank to do.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -405,18 +405,17 @@ async fn run_step(
         .in_scope(|| controller.claim(&partition, TRAINER_GROUP, n, n, &required))
         .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
     rec.claim_s = tc.elapsed().as_secs_f64();
-    if claim.meta.samples.len() as u64 != produced {
+    if claim.meta.len() as u64 != produced {
         return Err(CoordinatorError::Check {
             step,
-            message: format!("claimed {} samples but the producers put {produced}", claim.meta.samples.len()),
+            message: format!("claimed {} samples but the producers put {produced}", claim.meta.len()),
         });
     }
-    let tokens: Vec<u32> = claim.meta.samples.iter().map(|s| s.tokens).collect();
-    let assignment =
-        assign(&tokens, roles.shards.len()).map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+    let assignment = assign(claim.meta.tokens(), roles.shards.len())
+        .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
     rec.imbalance = assignment.imbalance;
-    rec.samples = claim.meta.samples.len() as u64;
-    rec.tokens = tokens.iter().map(|&t| t as u64).sum();
+    rec.samples = claim.meta.len() as u64;
+    rec.tokens = claim.meta.total_tokens();
     let claim_s = t.elapsed().as_secs_f64();
     control(&mut rec, "claim", claim_s);
 
@@ -472,7 +471,7 @@ async fn run_step(
         server.dispatch(update_commands(roles, step, Some(update_seed(step, &batch_digests)))).await?
     };
     // The claim's acknowledgment is bookkeeping: done while the trainer ranks update.
-    let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.to_string()).collect();
+    let keys: Vec<String> = claim.meta.keys().map(String::from).collect();
     tracing::info_span!("tq.ack")
         .in_scope(|| controller.ack(&partition, TRAINER_GROUP, claim.claim_id, &keys))
         .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;

@@ -24,7 +24,7 @@ use rlplane::tq::codec::{
 };
 use rlplane::tq::fanout::{TcpFanoutFollower, TcpFanoutLeader};
 use rlplane::tq::{
-    BatchMeta, Column, ControllerConfig, DType, FieldSpec, SampleMeta, StorageServer, StorageUnit, TqController,
+    BatchMeta, Column, ControllerConfig, DType, FieldSpec, SampleTags, StorageServer, StorageUnit, TqController,
 };
 use rlplane::transport::nccl::{self, UNIQUE_ID_LEN};
 use rlplane::transport::tcp::{self, Member, RefitListener, Route, TcpOptions};
@@ -167,17 +167,9 @@ fn put_message(token: &str) -> Vec<u8> {
 
 /// A valid registration of one sample of partition `p`.
 fn register_message(token: &str) -> Vec<u8> {
-    let meta = BatchMeta {
-        partition: "p".into(),
-        schema: vec![FieldSpec::ragged("ids", DType::I64)],
-        samples: vec![SampleMeta {
-            key: "a".into(),
-            unit: 0,
-            tokens: 2,
-            rows: [2].into_iter().collect(),
-            tags: Default::default(),
-        }],
-    };
+    let mut meta = BatchMeta::builder("p", vec![FieldSpec::ragged("ids", DType::I64)]);
+    meta.push("a", 0, 2, &[2], &SampleTags::default()).unwrap();
+    let meta = meta.finish();
     encode_message_bytes(&header(token), &Body::Register(meta), &[])
 }
 

@@ -146,7 +146,7 @@ async fn roles_come_from_the_plan_and_followers_cannot_write() {
             } else {
                 assert_eq!(cfg.role, WriteRole::Follower { leader: plan.process(g.leader).name.clone() });
                 let client = TqClient::new(cfg, None).unwrap();
-                let meta = rlplane::tq::BatchMeta { partition: "p".into(), ..Default::default() };
+                let meta = rlplane::tq::BatchMeta::new("p", vec![]);
                 let e = client.write_back(&meta, "old_logprobs", &Column::scalars::<f32>("x", &[])).await.unwrap_err();
                 assert!(matches!(e, TqError::FollowerWriteBack { .. }), "{e}");
             }

@@ -13,7 +13,7 @@ use rlplane::tq::codec::{
     self, Block, Body, ErrorCode, Header, STORAGE_MAGIC, WIRE_VERSION, decode, decode_message_bytes,
     encode_message_bytes,
 };
-use rlplane::tq::{BatchMeta, Column, DType, FieldSpec, SampleMeta, StorageServer, StorageUnit};
+use rlplane::tq::{BatchMeta, Column, DType, FieldSpec, SampleTags, StorageServer, StorageUnit};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -42,17 +42,10 @@ fn put_message(n: usize) -> Vec<u8> {
 }
 
 fn other_messages() -> Vec<Vec<u8>> {
-    let meta = BatchMeta {
-        partition: "p".into(),
-        schema: vec![FieldSpec::ragged("ids", DType::I64), FieldSpec::fixed("r", DType::F32, vec![2])],
-        samples: vec![SampleMeta {
-            key: "a".into(),
-            unit: 0,
-            tokens: 3,
-            rows: [3, 1].into_iter().collect(),
-            tags: vec![("t".into(), "v".into())].into(),
-        }],
-    };
+    let mut meta =
+        BatchMeta::builder("p", vec![FieldSpec::ragged("ids", DType::I64), FieldSpec::fixed("r", DType::F32, vec![2])]);
+    meta.push("a", 0, 3, &[3, 1], &SampleTags::from(vec![("t".to_string(), "v".to_string())])).unwrap();
+    let meta = meta.finish();
     let bodies = [
         Body::Register(meta.clone()),
         Body::Claim { partition: "p".into(), group: "g".into(), n: 4, min: 0, required: vec!["ids".into()] },

@@ -232,16 +232,16 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
     let batch = client.get(&claim.meta, &["input_ids", "reward", "emb"]).await.unwrap();
     let ids = batch.column("input_ids").unwrap();
     let emb = batch.column("emb").unwrap();
-    for (i, s) in batch.meta.samples.iter().enumerate() {
-        let expect: Vec<i64> = match &*s.key {
+    for (i, s) in batch.meta.iter().enumerate() {
+        let expect: Vec<i64> = match s.key() {
             "py_g0" => (0..5).map(|x| x * 7).collect(),
             "py_g1" => vec![],
             "py_g2" => vec![-1, 1 << 40, 3],
             other => panic!("unexpected key {other}"),
         };
-        assert_eq!(ids.sample_as::<i64>(i).unwrap(), expect, "{}", s.key);
-        let j = s.key.as_bytes()[4] - b'0';
+        assert_eq!(ids.sample_as::<i64>(i).unwrap(), expect, "{}", s.key());
+        let j = s.key().as_bytes()[4] - b'0';
         assert_eq!(emb.sample_as::<f32>(i).unwrap(), vec![2.0 * j as f32, 2.0 * j as f32 + 1.0]);
-        assert_eq!(*s.tags, [("uid".to_string(), "py".to_string())]);
+        assert_eq!(s.tags(), [("uid".to_string(), "py".to_string())]);
     }
 }

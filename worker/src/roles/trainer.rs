@@ -187,8 +187,8 @@ fn train_report(
     Report {
         busy_secs: busy,
         bytes: fetched,
-        samples: batch.meta.samples.len() as u64,
-        tokens: batch.meta.tokens(),
+        samples: batch.meta.len() as u64,
+        tokens: batch.meta.total_tokens(),
         digest: Some(digest),
         phases,
         ..Default::default()
@@ -233,7 +233,7 @@ impl Trainer {
                 let b = self
                     .tq
                     .get(&meta, wanted)
-                    .instrument(tracing::info_span!("tq.get", samples = meta.samples.len()))
+                    .instrument(tracing::info_span!("tq.get", samples = meta.len()))
                     .await
                     .with_context(|| format!("fetching step {step}'s batch"))?;
                 phases.insert("fetch".to_string(), secs(t));
@@ -267,8 +267,8 @@ impl Trainer {
             .iter()
             .find(|c| c.name() == fields::RESPONSE_MASK)
             .context("the batch lacks response_mask")?;
-        let mut logprobs = Vec::with_capacity(batch.meta.samples.len());
-        for i in 0..batch.meta.samples.len() {
+        let mut logprobs = Vec::with_capacity(batch.meta.len());
+        for i in 0..batch.meta.len() {
             logprobs.push(trainer_logprobs(&ids.sample_as::<i64>(i)?, &masks.sample_as::<u8>(i)?));
         }
         phases.insert("compute".to_string(), secs(t));

@@ -560,14 +560,14 @@ pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<
     }
     out.flush()?;
     drop(out);
-    let samples = &batch.meta.samples;
+    let meta = &batch.meta;
     let reply = json!({
         "ok": true,
         "step": step,
-        "samples": samples.len(),
-        "keys": samples.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(),
-        "tokens": samples.iter().map(|s| s.tokens).collect::<Vec<_>>(),
-        "tags": samples.iter().map(|s| s.tags.iter().map(|(k, v)| [k.as_str(), v.as_str()]).collect::<Vec<_>>()).collect::<Vec<_>>(),
+        "samples": meta.len(),
+        "keys": meta.keys().collect::<Vec<_>>(),
+        "tokens": meta.tokens(),
+        "tags": meta.iter().map(|s| s.tags().iter().map(|(k, v)| [k.as_str(), v.as_str()]).collect::<Vec<_>>()).collect::<Vec<_>>(),
         "columns": columns,
     });
     Ok((reply, path))

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use super::TqError;
 use super::codec::{self, Block, Body, CONTROLLER_MAGIC, ErrorCode, Header, Outgoing, ReadError, WIRE_VERSION};
-use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleMeta, SampleTags};
+use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleTags};
 use super::controller::{AckReport, Claim, ClearReport, connect_unit};
 use super::storage::StorageUnit;
 use crate::net::{self, Hello, JobAuth, NetError};
@@ -128,7 +128,9 @@ const GET_CHUNK_KEYS: usize = 256;
 pub struct TqClient {
     config: ClientConfig,
     local: Option<Arc<StorageUnit>>,
-    controller: tokio::sync::Mutex<Option<TcpStream>>,
+    /// The controller connection (opened at the first request) and the buffer its replies are
+    /// read into, kept between requests.
+    controller: tokio::sync::Mutex<(Option<TcpStream>, Vec<u8>)>,
     units: HashMap<u32, tokio::sync::Mutex<Option<TcpStream>>>,
     next_request: AtomicU32,
 }
@@ -177,7 +179,7 @@ impl TqClient {
         Ok(TqClient {
             config,
             local,
-            controller: tokio::sync::Mutex::new(None),
+            controller: tokio::sync::Mutex::new((None, Vec::new())),
             units,
             next_request: AtomicU32::new(1),
         })
@@ -225,7 +227,8 @@ impl TqClient {
     // Controller requests.
 
     async fn controller_rpc(&self, body: &Body) -> Result<Body, TqError> {
-        let mut slot = self.controller.lock().await;
+        let mut guard = self.controller.lock().await;
+        let (slot, buf) = &mut *guard;
         let addr = self.config.controller.clone();
         if slot.is_none() {
             let deadline = Instant::now() + self.config.connect_timeout;
@@ -237,10 +240,12 @@ impl TqClient {
         }
         let s = slot.as_mut().expect("connected above");
         let h = self.header();
+        if buf.capacity() > codec::KEPT_BUFFER {
+            *buf = Vec::new();
+        }
         let result = async {
             codec::write_message(s, &h, body).await.map_err(|e| NetError::io("sending to the controller", &addr, e))?;
-            let mut buf = Vec::new();
-            match codec::read_message(s, &mut buf).await {
+            match codec::read_message(s, buf).await {
                 Ok((rh, b)) if rh.request_id == h.request_id => Ok(b),
                 Ok((rh, _)) => Err(TqError::Protocol {
                     peer: addr.clone(),
@@ -303,7 +308,7 @@ impl TqClient {
         let mut pause = Duration::from_micros(500);
         loop {
             let c = self.claim_min(partition, group, n, n, required).await?;
-            if !c.meta.samples.is_empty() || n == 0 {
+            if !c.meta.is_empty() || n == 0 {
                 return Ok(c);
             }
             if Instant::now() + pause > deadline {
@@ -321,7 +326,7 @@ impl TqClient {
 
     /// Acknowledges every sample of a claim.
     pub async fn ack(&self, claim: &Claim) -> Result<AckReport, TqError> {
-        let keys: Vec<String> = claim.meta.samples.iter().map(|s| s.key.to_string()).collect();
+        let keys: Vec<String> = claim.meta.keys().map(String::from).collect();
         self.ack_keys(&claim.meta.partition, &claim.group, claim.claim_id, &keys).await
     }
 
@@ -443,20 +448,18 @@ impl TqClient {
                 .map(|i| columns.iter().filter(|c| c.spec().ragged).map(|c| c.rows(i)).max().unwrap_or(1))
                 .collect(),
         };
-        let meta = BatchMeta {
-            partition: partition.into(),
-            schema: columns.iter().map(|c| c.spec().clone()).collect(),
-            samples: (0..keys.len())
-                .map(|i| SampleMeta {
-                    key: keys[i].as_str().into(),
-                    unit: units[i],
-                    tokens: tokens[i],
-                    rows: columns.iter().map(|c| c.rows(i)).collect(),
-                    tags: opts.tags.get(i).map(|t| t.as_slice().into()).unwrap_or_default(),
-                })
-                .collect(),
-        };
-        self.register(meta).await?;
+        let mut meta = BatchMeta::builder(partition, columns.iter().map(|c| c.spec().clone()).collect());
+        meta.reserve(keys.len());
+        let untagged = SampleTags::default();
+        let mut rows = Vec::with_capacity(columns.len());
+        for (i, key) in keys.iter().enumerate() {
+            rows.clear();
+            rows.extend(columns.iter().map(|c| c.rows(i)));
+            let tags = opts.tags.get(i).filter(|t| !t.is_empty()).map(|t| SampleTags::from(t.as_slice()));
+            meta.push(key, units[i], tokens[i], &rows, tags.as_ref().unwrap_or(&untagged))
+                .map_err(|e| TqError::input(e.to_string(), "put fewer or shorter keys"))?;
+        }
+        self.register(meta.finish()).await?;
         Ok(PutReport { bytes: stored, per_unit: parts.iter().map(|p| (p.unit, p.idx.len())).collect() })
     }
 
@@ -471,13 +474,9 @@ impl TqClient {
                 field: field.into(),
             });
         }
-        if column.len() != meta.samples.len() {
+        if column.len() != meta.len() {
             return Err(TqError::input(
-                format!(
-                    "write-back of field `{field}` has {} entries for {} samples",
-                    column.len(),
-                    meta.samples.len()
-                ),
+                format!("write-back of field `{field}` has {} entries for {} samples", column.len(), meta.len()),
                 "give one entry per sample of the metadata, in its order",
             ));
         }
@@ -485,25 +484,13 @@ impl TqClient {
             return Err(TqError::input("write-back field name is empty", "name the field, e.g. `old_logprobs`"));
         }
         let column = column.clone().with_name(field);
-        let keys: Vec<String> = meta.samples.iter().map(|s| s.key.to_string()).collect();
-        let parts = group_by_unit(meta.samples.iter().map(|s| s.unit));
+        let keys: Vec<String> = meta.keys().map(String::from).collect();
+        let parts = group_by_unit(meta.units().iter().copied());
         self.store(&meta.partition, &keys, std::slice::from_ref(&column), &parts).await?;
-        let reg = BatchMeta {
-            partition: meta.partition.clone(),
-            schema: vec![column.spec().clone()],
-            samples: meta
-                .samples
-                .iter()
-                .enumerate()
-                .map(|(i, s)| SampleMeta {
-                    key: s.key.clone(),
-                    unit: s.unit,
-                    tokens: s.tokens,
-                    rows: smallvec::smallvec![column.rows(i)],
-                    tags: SampleTags::default(),
-                })
-                .collect(),
-        };
+        let rows = (0..column.len()).map(|i| column.rows(i)).collect();
+        let reg = meta
+            .with_fields(vec![column.spec().clone()], vec![rows])
+            .map_err(|e| TqError::input(e.to_string(), "give one entry per sample of the metadata"))?;
         self.register(reg).await
     }
 
@@ -631,27 +618,31 @@ impl TqClient {
                 })
             })
             .collect::<Result<_, _>>()?;
-        for s in &meta.samples {
-            for (&fi, f) in fidx.iter().zip(fields) {
-                if s.rows.get(fi).copied().unwrap_or(ABSENT) == ABSENT {
-                    return Err(TqError::input(
-                        format!("sample `{}` of partition `{}` has no field `{f}`", s.key, meta.partition),
-                        "claim with this field in required_fields so that only samples having it are handed out",
-                    ));
-                }
-            }
+        // Rows of each requested field, per sample of `meta`.
+        let mut field_rows: Vec<&[u32]> = Vec::with_capacity(fields.len());
+        for (&fi, f) in fidx.iter().zip(fields) {
+            let rows = match meta.field_rows(fi) {
+                None if meta.is_empty() => Some(&[][..]),
+                rows => rows.filter(|r| !r.contains(&ABSENT)),
+            };
+            let Some(rows) = rows else {
+                let i = meta.field_rows(fi).and_then(|r| r.iter().position(|&x| x == ABSENT)).unwrap_or(0);
+                return Err(TqError::input(
+                    format!("sample `{}` of partition `{}` has no field `{f}`", meta.key(i), meta.partition),
+                    "claim with this field in required_fields so that only samples having it are handed out",
+                ));
+            };
+            field_rows.push(rows);
         }
         let specs: Vec<FieldSpec> = fidx.iter().map(|&i| meta.schema[i].clone()).collect();
         let row_bytes: Vec<u64> = specs.iter().map(|s| s.row_bytes().unwrap_or(1)).collect();
-        let parts = group_by_unit(meta.samples.iter().map(|s| s.unit));
+        let parts = group_by_unit(meta.units().iter().copied());
         let order: Vec<usize> = parts.iter().flat_map(|p| p.idx.iter().copied()).collect();
-        let out_meta =
-            BatchMeta { partition: meta.partition.clone(), schema: meta.schema.clone(), samples: Vec::new() };
-        let samples: Vec<&SampleMeta> = order.iter().map(|&i| &meta.samples[i]).collect();
-        // Sizes: per field, per sample (in batch order).
-        let sample_bytes = |f: usize, s: &SampleMeta| s.rows[fidx[f]] as u64 * row_bytes[f];
+        // Sizes: per field, per sample.
+        let want = Wanted { names: fields, index: fidx, rows: field_rows, row_bytes };
+        let sample_bytes = |f: usize, i: usize| want.rows[f][i] as u64 * want.row_bytes[f];
         let mut buffers: Vec<Vec<u8>> = (0..fields.len())
-            .map(|f| codec::receive_buffer(samples.iter().map(|s| sample_bytes(f, s)).sum::<u64>() as usize))
+            .map(|f| codec::receive_buffer(order.iter().map(|&i| sample_bytes(f, i)).sum::<u64>() as usize))
             .collect();
         {
             // Split every field's buffer into one region per part (disjoint, in order).
@@ -659,50 +650,44 @@ impl TqClient {
             for (f, buf) in buffers.iter_mut().enumerate() {
                 let mut rest: &mut [u8] = buf.as_mut_slice();
                 for (p, part) in parts.iter().enumerate() {
-                    let n: u64 = part.idx.iter().map(|&i| sample_bytes(f, &meta.samples[i])).sum();
+                    let n: u64 = part.idx.iter().map(|&i| sample_bytes(f, i)).sum();
                     let (head, tail) = std::mem::take(&mut rest).split_at_mut(n as usize);
                     regions[p].push(head);
                     rest = tail;
                 }
             }
-            let jobs = parts
-                .iter()
-                .zip(regions)
-                .map(|(part, regions)| self.get_part(meta, part, fields, &fidx, &row_bytes, regions));
+            let jobs = parts.iter().zip(regions).map(|(part, regions)| self.get_part(meta, part, &want, regions));
             futures::future::try_join_all(jobs).await?;
         }
         let mut columns = Vec::with_capacity(fields.len());
         for (f, buf) in buffers.into_iter().enumerate() {
             let offsets = if specs[f].ragged {
-                let mut o = Vec::with_capacity(samples.len() + 1);
+                let mut o = Vec::with_capacity(order.len() + 1);
                 o.push(0u64);
-                for s in &samples {
-                    o.push(o.last().copied().unwrap_or(0) + s.rows[fidx[f]] as u64);
+                for &i in &order {
+                    o.push(o.last().copied().unwrap_or(0) + want.rows[f][i] as u64);
                 }
                 o
             } else {
                 Vec::new()
             };
-            columns.push(Column::from_parts(specs[f].clone(), samples.len(), Bytes::from(buf), offsets).map_err(
+            columns.push(Column::from_parts(specs[f].clone(), order.len(), Bytes::from(buf), offsets).map_err(
                 |e| TqError::Protocol { peer: "storage".into(), what: format!("data disagreeing with metadata: {e}") },
             )?);
         }
-        let mut out_meta = out_meta;
-        out_meta.samples = samples.into_iter().cloned().collect();
-        Ok(Batch { meta: out_meta, columns })
+        Ok(Batch { meta: meta.subset(&order), columns })
     }
 
-    /// Reads one unit's samples into its regions (one per field).
+    /// Reads one unit's samples into its regions (one per field of `want`).
     async fn get_part(
         &self,
         meta: &BatchMeta,
         part: &UnitPart,
-        fields: &[&str],
-        fidx: &[usize],
-        row_bytes: &[u64],
+        want: &Wanted<'_>,
         mut regions: Vec<&mut [u8]>,
     ) -> Result<(), TqError> {
-        let keys: Vec<String> = part.idx.iter().map(|&i| meta.samples[i].key.to_string()).collect();
+        let (fields, fidx, field_rows, row_bytes) = (want.names, &want.index, &want.rows, &want.row_bytes);
+        let keys: Vec<String> = part.idx.iter().map(|&i| meta.key(i).to_string()).collect();
         let field_names: Vec<String> = fields.iter().map(|s| s.to_string()).collect();
         if let Some(unit) = self.local_unit(part.unit) {
             let got = unit.get(&meta.partition, &keys, &field_names).map_err(|e| {
@@ -733,7 +718,7 @@ impl TqClient {
         for (f, region) in regions.iter_mut().enumerate() {
             let mut rest: &mut [u8] = std::mem::take(region);
             for (c, chunk) in chunks.iter().enumerate() {
-                let n: u64 = chunk.iter().map(|&i| meta.samples[i].rows[fidx[f]] as u64 * row_bytes[f]).sum();
+                let n: u64 = chunk.iter().map(|&i| field_rows[f][i] as u64 * row_bytes[f]).sum();
                 let (head, tail) = std::mem::take(&mut rest).split_at_mut(n as usize);
                 chunk_regions[c].push(head);
                 rest = tail;
@@ -746,7 +731,7 @@ impl TqClient {
                     self.header(),
                     Body::Get {
                         partition: meta.partition.clone(),
-                        keys: chunk.iter().map(|&i| meta.samples[i].key.to_string()).collect(),
+                        keys: chunk.iter().map(|&i| meta.key(i).to_string()).collect(),
                         fields: field_names.clone(),
                     },
                 )
@@ -802,7 +787,7 @@ impl TqClient {
                                 .map_err(|e| read_error(addr, e))?;
                             let got = codec::decode_offsets(&spec.name, &raw, block.n, *len, row_bytes[f])
                                 .map_err(|e| bad(e.to_string()))?;
-                            let expect = chunk.iter().map(|&i| meta.samples[i].rows[fidx[f]] as u64);
+                            let expect = chunk.iter().map(|&i| field_rows[f][i] as u64);
                             if got.windows(2).map(|w| w[1] - w[0]).ne(expect) {
                                 return Err(bad(format!(
                                     "row counts of field `{}` that disagree with the controller's metadata",
@@ -819,6 +804,15 @@ impl TqClient {
         })
         .await
     }
+}
+
+/// The fields a get reads: their names, schema indices, rows per sample of the metadata and
+/// bytes per row.
+struct Wanted<'a> {
+    names: &'a [&'a str],
+    index: Vec<usize>,
+    rows: Vec<&'a [u32]>,
+    row_bytes: Vec<u64>,
 }
 
 fn read_error(addr: &str, e: ReadError) -> TqError {

@@ -19,13 +19,12 @@
 //! Decoding never panics and never allocates more than the frame it reads: every count is checked
 //! against the bytes left, every length against its declaration.
 
-use std::collections::HashMap;
 use std::io::IoSlice;
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleKey, SampleMeta, SampleTags};
+use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleTags, extend_le32, read_le32};
 
 /// Version of the wire format; carried by every message. A peer of another version is refused.
 pub const WIRE_VERSION: u16 = 2;
@@ -320,9 +319,9 @@ impl Body {
 // ---------------------------------------------------------------------------------------------
 // Encoding.
 
-struct Writer(Vec<u8>);
+struct Writer<'a>(&'a mut Vec<u8>);
 
-impl Writer {
+impl Writer<'_> {
     fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
@@ -361,50 +360,27 @@ impl Writer {
         for f in &m.schema {
             self.spec(f);
         }
-        let n = m.samples.len();
+        let n = m.len();
         self.u32(n as u32);
-        let key_bytes: usize = m.samples.iter().map(|s| s.key.len()).sum();
-        self.0.reserve(key_bytes + 4 * (n * (4 + nf) + 2));
+        let (keys, key_offsets) = m.key_columns();
+        let (sets, index) = m.tag_columns();
+        self.0.reserve(keys.len() + 4 * (n * (4 + nf) + 2));
         // Keys: n + 1 byte offsets, then every key's bytes back to back.
-        let mut end = 0u32;
-        self.u32(end);
-        for s in &m.samples {
-            end = end.wrapping_add(s.key.len() as u32);
-            self.u32(end);
+        if key_offsets.is_empty() {
+            self.u32(0);
+        } else {
+            extend_le32(self.0, key_offsets);
         }
-        for s in &m.samples {
-            self.0.extend_from_slice(s.key.as_bytes());
-        }
-        for s in &m.samples {
-            self.u32(s.unit);
-        }
-        for s in &m.samples {
-            self.u32(s.tokens);
-        }
+        self.0.extend_from_slice(keys.as_bytes());
+        extend_le32(self.0, m.units());
+        extend_le32(self.0, m.tokens());
         for f in 0..nf {
-            for s in &m.samples {
-                self.u32(s.rows.get(f).copied().unwrap_or(ABSENT));
+            match m.field_rows(f) {
+                Some(rows) => extend_le32(self.0, rows),
+                None => (0..n).for_each(|_| self.u32(ABSENT)),
             }
         }
         // Tags: each distinct set once (samples share their sets), then every sample's set index.
-        let mut sets: Vec<&SampleTags> = Vec::new();
-        let mut by_ptr: HashMap<*const (String, String), u32> = HashMap::new();
-        let mut empty = None;
-        let mut index = Vec::with_capacity(n);
-        for s in &m.samples {
-            let i = if s.tags.is_empty() {
-                *empty.get_or_insert_with(|| {
-                    sets.push(&s.tags);
-                    sets.len() as u32 - 1
-                })
-            } else {
-                *by_ptr.entry(s.tags.as_ptr()).or_insert_with(|| {
-                    sets.push(&s.tags);
-                    sets.len() as u32 - 1
-                })
-            };
-            index.push(i);
-        }
         self.u32(sets.len() as u32);
         for set in sets {
             self.u32(set.len() as u32);
@@ -413,9 +389,7 @@ impl Writer {
                 self.str(v);
             }
         }
-        for i in index {
-            self.u32(i);
-        }
+        extend_le32(self.0, index);
     }
     fn block(&mut self, b: &Block) {
         self.u32(b.n);
@@ -429,7 +403,16 @@ impl Writer {
 
 /// Encodes a header frame's payload (without its u32 length prefix).
 pub fn encode(header: &Header, body: &Body) -> Vec<u8> {
-    let mut w = Writer(Vec::with_capacity(64));
+    let mut out = Vec::with_capacity(64);
+    encode_into(&mut out, header, body);
+    out
+}
+
+/// [`encode`] into `out` (cleared first), reusing its allocation: a service replying on one
+/// connection keeps one buffer instead of allocating (and faulting in) one per reply.
+pub fn encode_into(out: &mut Vec<u8>, header: &Header, body: &Body) {
+    out.clear();
+    let mut w = Writer(out);
     w.u16(header.version);
     w.u8(body.kind());
     w.u8(0);
@@ -495,7 +478,6 @@ pub fn encode(header: &Header, body: &Body) -> Vec<u8> {
             w.str(message);
         }
     }
-    w.0
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -583,28 +565,38 @@ impl<'a> Reader<'a> {
         // Per sample at least: a key offset, unit, tokens, a row count per field, a tag set index.
         let ns = self.count(4 * (4 + nf), "samples")?;
         let offsets_at = self.pos;
-        let offsets = self.take(4 * (ns + 1), "key offsets")?;
-        if le32(offsets, 0) != 0 {
+        let key_offsets = read_le32(self.take(4 * (ns + 1), "key offsets")?);
+        if key_offsets[0] != 0 {
             return Err(CodecError {
                 offset: offsets_at,
-                what: format!("key offsets start at {}, not 0", le32(offsets, 0)),
+                what: format!("key offsets start at {}, not 0", key_offsets[0]),
             });
         }
-        let keys_len = le32(offsets, ns) as usize;
+        let keys_len = key_offsets[ns] as usize;
         let keys_at = self.pos;
         let keys = self.take(keys_len, "sample keys")?;
         let keys = std::str::from_utf8(keys)
             .map_err(|_| CodecError { offset: keys_at, what: "the sample keys are not UTF-8".into() })?;
-        // One buffer for every key: each sample's key shares it, no allocation per sample.
+        if let Some(i) = key_offsets.windows(2).position(|w| w[1] < w[0] || !keys.is_char_boundary(w[1] as usize)) {
+            return Err(CodecError {
+                offset: offsets_at + 4 * i,
+                what: format!(
+                    "sample {i}'s key spans bytes {}..{} of {keys_len} key bytes: offsets must start at 0, never \
+                     decrease and fall on character boundaries",
+                    key_offsets[i],
+                    key_offsets[i + 1]
+                ),
+            });
+        }
+        // One buffer for every key, no allocation per sample.
         let keys: Arc<str> = Arc::from(keys);
-        let units = self.take(4 * ns, "units")?;
-        let tokens = self.take(4 * ns, "tokens")?;
-        let rows = self.take(4 * ns * nf, "rows")?;
+        let units = read_le32(self.take(4 * ns, "units")?);
+        let tokens = read_le32(self.take(4 * ns, "tokens")?);
+        let rows = (0..nf).map(|_| Ok(read_le32(self.take(4 * ns, "rows")?))).collect::<Result<Vec<_>, _>>()?;
         let nsets = self.count(4, "tag sets")?;
         let mut sets = Vec::with_capacity(nsets);
         for _ in 0..nsets {
             let nt = self.count(8, "tags")?;
-            // No tags: the shared empty slice, no allocation.
             sets.push(if nt == 0 {
                 SampleTags::default()
             } else {
@@ -614,31 +606,15 @@ impl<'a> Reader<'a> {
             });
         }
         let index_at = self.pos;
-        let index = self.take(4 * ns, "tag set indices")?;
-        let mut samples = Vec::with_capacity(ns);
-        for i in 0..ns {
-            let (a, b) = (le32(offsets, i) as usize, le32(offsets, i + 1) as usize);
-            let key = SampleKey::shared(&keys, a..b).ok_or_else(|| CodecError {
-                offset: offsets_at + 4 * i,
-                what: format!(
-                    "sample {i}'s key spans bytes {a}..{b} of {keys_len} key bytes: offsets must start at 0, never \
-                     decrease and fall on character boundaries"
-                ),
-            })?;
-            let t = le32(index, i);
-            let tags = sets.get(t as usize).cloned().ok_or_else(|| CodecError {
+        let index = read_le32(self.take(4 * ns, "tag set indices")?);
+        if let Some((i, t)) = index.iter().enumerate().find(|(_, t)| **t as usize >= nsets) {
+            return Err(CodecError {
                 offset: index_at + 4 * i,
                 what: format!("sample {i} names tag set {t} of {nsets}"),
-            })?;
-            samples.push(SampleMeta {
-                key,
-                unit: le32(units, i),
-                tokens: le32(tokens, i),
-                rows: (0..nf).map(|f| le32(rows, f * ns + i)).collect(),
-                tags,
             });
         }
-        Ok(BatchMeta { partition, schema, samples })
+        let key_offsets = if ns == 0 { Vec::new() } else { key_offsets };
+        Ok(BatchMeta::from_checked_columns(partition, schema, keys, key_offsets, units, tokens, rows, sets, index))
     }
     fn block(&mut self) -> Result<Block, CodecError> {
         let n = self.u32("sample count")?;
@@ -665,11 +641,6 @@ impl<'a> Reader<'a> {
         }
         Ok(Block { n, columns })
     }
-}
-
-/// The `i`-th little-endian u32 of `b` (whose length the caller checked).
-fn le32(b: &[u8], i: usize) -> u32 {
-    u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"))
 }
 
 /// Decodes a header frame's payload. Never panics; every error says where and what.
@@ -719,12 +690,8 @@ pub fn decode(frame: &[u8]) -> Result<(Header, Body), CodecError> {
         32 => {
             let meta = r.meta()?;
             let block = r.block()?;
-            if block.n as usize != meta.samples.len() {
-                return Err(r.err(format!(
-                    "fan-out of {} samples carries a block of {} samples",
-                    meta.samples.len(),
-                    block.n
-                )));
+            if block.n as usize != meta.len() {
+                return Err(r.err(format!("fan-out of {} samples carries a block of {} samples", meta.len(), block.n)));
             }
             Body::Fanout { meta, block }
         }
@@ -910,6 +877,23 @@ pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, header: &Header, bo
     Outgoing::new(header, body).write(w).await
 }
 
+/// [`write_message`], encoding into `frame` (kept by the caller between messages).
+pub async fn write_message_with<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &Header,
+    body: &Body,
+    frame: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    encode_into(frame, header, body);
+    let len = (frame.len() as u32).to_le_bytes();
+    write_all_vectored(w, &mut [IoSlice::new(&len), IoSlice::new(frame)]).await?;
+    w.flush().await
+}
+
+/// Largest buffer a connection keeps between messages; one left larger by a big message is
+/// dropped, so that an idle connection does not hold it.
+pub const KEPT_BUFFER: usize = 4 << 20;
+
 /// Failure reading a message from a stream.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
@@ -1000,30 +984,16 @@ pub async fn skip_buffers<R: AsyncReadExt + Unpin>(r: &mut R, block: &Block) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tq::FieldRows;
     use proptest::prelude::*;
 
     fn meta() -> BatchMeta {
-        BatchMeta {
-            partition: "step-1".into(),
-            schema: vec![FieldSpec::ragged("ids", DType::I64), FieldSpec::fixed("reward", DType::F32, vec![])],
-            samples: vec![
-                SampleMeta {
-                    key: "a_g0".into(),
-                    unit: 0,
-                    tokens: 5,
-                    rows: smallvec::smallvec![5, 1],
-                    tags: Default::default(),
-                },
-                SampleMeta {
-                    key: "a_g1".into(),
-                    unit: 1,
-                    tokens: 2,
-                    rows: smallvec::smallvec![2, ABSENT],
-                    tags: vec![("uid".into(), "a".into())].into(),
-                },
-            ],
-        }
+        let mut b = BatchMeta::builder(
+            "step-1",
+            vec![FieldSpec::ragged("ids", DType::I64), FieldSpec::fixed("reward", DType::F32, vec![])],
+        );
+        b.push("a_g0", 0, 5, &[5, 1], &SampleTags::default()).unwrap();
+        b.push("a_g1", 1, 2, &[2, ABSENT], &vec![("uid".to_string(), "a".to_string())].into()).unwrap();
+        b.finish()
     }
 
     pub(crate) fn every_body() -> Vec<Body> {
@@ -1085,24 +1055,19 @@ mod tests {
                     .into_iter()
                     .map(|(name, d, ragged, inner)| FieldSpec { name, dtype: DType::ALL[d], ragged, inner })
                     .collect();
+                let nf = schema.len();
                 let shared: SampleTags = vec![("uid".into(), "ü-7".into()), ("rm".into(), String::new())].into();
-                let samples = samples
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, (key, unit, tokens, rows, t))| SampleMeta {
-                        key: key.into(),
-                        unit,
-                        tokens,
-                        rows: rows[..schema.len()].iter().copied().collect(),
-                        tags: match t {
-                            0 => SampleTags::default(),
-                            1 => shared.clone(),
-                            2 => vec![("uid".into(), "ü-7".into()), ("rm".into(), String::new())].into(),
-                            _ => vec![("n".into(), i.to_string())].into(),
-                        },
-                    })
-                    .collect();
-                BatchMeta { partition, schema, samples }
+                let mut b = BatchMeta::builder(partition, schema);
+                for (i, (key, unit, tokens, rows, t)) in samples.into_iter().enumerate() {
+                    let tags = match t {
+                        0 => SampleTags::default(),
+                        1 => shared.clone(),
+                        2 => vec![("uid".into(), "ü-7".into()), ("rm".into(), String::new())].into(),
+                        _ => vec![("n".into(), i.to_string())].into(),
+                    };
+                    b.push(&key, unit, tokens, &rows[..nf], &tags).unwrap();
+                }
+                b.finish()
             },
         )
     }
@@ -1113,7 +1078,7 @@ mod tests {
         #[test]
         fn columnar_meta_round_trips_in_every_body_and_every_truncation_is_an_error(meta in any_meta()) {
             let h = Header { version: WIRE_VERSION, request_id: 3, token: "e0-abc".into() };
-            let block = Block { n: meta.samples.len() as u32, columns: vec![] };
+            let block = Block { n: meta.len() as u32, columns: vec![] };
             for body in [
                 Body::Register(meta.clone()),
                 Body::Claimed { claim_id: 1, lease_ms: 5, meta: meta.clone() },
@@ -1148,20 +1113,11 @@ mod tests {
     fn bad_key_offsets_and_tag_set_indices_are_errors() {
         // Two samples, no fields, no tags: the body ends with key offsets (12 bytes), keys "ab" and
         // "é" (4 bytes), units (8), tokens (8), one empty tag set (8) and the set indices (8).
-        let meta = BatchMeta {
-            partition: "p".into(),
-            schema: vec![],
-            samples: ["ab", "é"]
-                .into_iter()
-                .map(|k| SampleMeta {
-                    key: k.into(),
-                    unit: 0,
-                    tokens: 1,
-                    rows: FieldRows::new(),
-                    tags: Default::default(),
-                })
-                .collect(),
-        };
+        let mut b = BatchMeta::builder("p", vec![]);
+        for k in ["ab", "é"] {
+            b.push(k, 0, 1, &[], &SampleTags::default()).unwrap();
+        }
+        let meta = b.finish();
         let h = Header { version: WIRE_VERSION, request_id: 1, token: "t".into() };
         let frame = encode(&h, &Body::Register(meta.clone()));
         assert_eq!(decode(&frame).unwrap().1, Body::Register(meta));
@@ -1176,6 +1132,36 @@ mod tests {
         assert!(patched(offsets + 4, 3).contains("character boundaries"), "splits the é");
         assert!(patched(offsets + 4, 5).contains("spans bytes 0..5"), "past the key bytes");
         assert!(patched(frame.len() - 4, 1).contains("tag set 1 of 1"));
+    }
+
+    #[test]
+    fn meta_is_laid_out_as_documented() {
+        // docs/transfer-queue.md, "Batch metadata": the bytes a Python peer reads.
+        let mut want = vec![2, 0, 1, 0, 7, 0, 0, 0, 1, 0, 0, 0, b't'];
+        let s = |w: &mut Vec<u8>, x: &str| {
+            w.extend_from_slice(&(x.len() as u32).to_le_bytes());
+            w.extend_from_slice(x.as_bytes());
+        };
+        let u32s = |w: &mut Vec<u8>, xs: &[u32]| xs.iter().for_each(|x| w.extend_from_slice(&x.to_le_bytes()));
+        s(&mut want, "step-1");
+        u32s(&mut want, &[2]);
+        s(&mut want, "ids");
+        want.extend_from_slice(&[DType::I64.code(), 1, 0]);
+        s(&mut want, "reward");
+        want.extend_from_slice(&[DType::F32.code(), 0, 0]);
+        u32s(&mut want, &[2]); // nsamples
+        u32s(&mut want, &[0, 4, 8]); // key offsets
+        want.extend_from_slice(b"a_g0a_g1");
+        u32s(&mut want, &[0, 1]); // units
+        u32s(&mut want, &[5, 2]); // tokens
+        u32s(&mut want, &[5, 2, 1, ABSENT]); // rows, field by field
+        u32s(&mut want, &[2, 0, 1]); // two tag sets: the empty one, then one tag
+        s(&mut want, "uid");
+        s(&mut want, "a");
+        u32s(&mut want, &[0, 1]); // each sample's set
+        let h = Header { version: WIRE_VERSION, request_id: 7, token: "t".into() };
+        assert_eq!(encode(&h, &Body::Register(meta())), want);
+        assert_eq!(decode(&want).unwrap().1, Body::Register(meta()));
     }
 
     #[test]

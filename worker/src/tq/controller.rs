@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::codec::{self, Body, CONTROLLER_MAGIC, ErrorCode, Header, ReadError, STORAGE_MAGIC, WIRE_VERSION};
-use super::column::{ABSENT, BatchMeta, FieldRows, FieldSpec, SampleKey, SampleMeta, SampleTags};
+use super::column::{ABSENT, BatchMeta, FieldSpec, SampleKey, SampleTags};
 use crate::net::{self, Hello, JobAuth, NetError};
 
 /// Most fields a partition may have (ready checks are one 64-bit mask test per sample).
@@ -125,47 +125,163 @@ pub struct PartitionStatus {
     pub groups: Vec<GroupStatus>,
 }
 
-#[derive(Debug)]
-struct Sample {
-    key: SampleKey,
-    unit: u32,
-    tokens: u32,
-    rows: FieldRows,
-    present: u64,
-    tags: SampleTags,
-}
+/// A slot (one per sample of a partition, per group) not handed out yet.
+const FREE: u32 = 0;
+/// A slot acknowledged: done for the group.
+const ACKED: u32 = u32::MAX;
 
-#[derive(Clone, Copy, Debug)]
-enum Slot {
-    Free,
-    Claimed { id: u64, until: Instant },
-    Acked,
-}
-
+/// One consumer group's progress on a partition.
 #[derive(Debug, Default)]
 struct Group {
-    slots: Vec<Slot>,
+    /// Per sample: [`FREE`], [`ACKED`], or `c` — claimed by `claims[c - 1]`. Four bytes a sample,
+    /// so a group's slots for a 4096-sample step are 16 KB.
+    slots: Vec<u32>,
+    /// The group's claims: id and lease end.
+    claims: Vec<(u64, Instant)>,
     /// Every slot before it is acked: claims scan from here.
     first_open: usize,
 }
 
+impl Group {
+    /// Free, or claimed under a lease that ran out by `now`.
+    fn claimable(&self, slot: u32, now: Instant) -> bool {
+        match slot {
+            FREE => true,
+            ACKED => false,
+            c => self.claims[c as usize - 1].1 <= now,
+        }
+    }
+
+    /// Claimed under a lease still running at `now`.
+    fn leased(&self, slot: u32, now: Instant) -> bool {
+        slot != FREE && slot != ACKED && self.claims[slot as usize - 1].1 > now
+    }
+}
+
+/// A partition's samples, column by column (as a claim hands them out): sample `i` is entry `i`
+/// of every column.
+#[derive(Debug)]
+struct Samples {
+    schema: Vec<FieldSpec>,
+    /// Every key's bytes back to back; key `i` ends at `key_ends[i]` and starts where key
+    /// `i - 1` ends.
+    key_bytes: String,
+    key_ends: Vec<usize>,
+    /// Storage unit per sample.
+    units: Vec<u32>,
+    tokens: Vec<u32>,
+    /// Per field (schema order), rows per sample ([`ABSENT`] where missing).
+    rows: Vec<Vec<u32>>,
+    /// Per sample, a bit per field it has.
+    present: Vec<u64>,
+    /// Distinct tag sets; set 0 is the empty one.
+    tag_sets: Vec<SampleTags>,
+    /// Per sample, its index in `tag_sets`.
+    tag_of: Vec<u32>,
+}
+
+impl Default for Samples {
+    fn default() -> Samples {
+        Samples {
+            schema: Vec::new(),
+            key_bytes: String::new(),
+            key_ends: Vec::new(),
+            units: Vec::new(),
+            tokens: Vec::new(),
+            rows: Vec::new(),
+            present: Vec::new(),
+            tag_sets: vec![SampleTags::default()],
+            tag_of: Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Partition {
-    schema: Vec<FieldSpec>,
-    samples: Vec<Sample>,
+    samples: Samples,
     by_key: HashMap<SampleKey, usize>,
     groups: HashMap<String, Group>,
     units: BTreeSet<u32>,
     lost: Option<(u32, String)>,
 }
 
-impl Partition {
-    fn sample_meta(&self, i: usize) -> SampleMeta {
-        let s = &self.samples[i];
-        let mut rows = s.rows.clone();
-        rows.resize(self.schema.len(), ABSENT);
-        SampleMeta { key: s.key.clone(), unit: s.unit, tokens: s.tokens, rows, tags: s.tags.clone() }
+impl Samples {
+    fn len(&self) -> usize {
+        self.units.len()
     }
+
+    fn key_start(&self, i: usize) -> usize {
+        if i == 0 { 0 } else { self.key_ends[i - 1] }
+    }
+
+    fn key(&self, i: usize) -> &str {
+        self.key_bytes.get(self.key_start(i)..self.key_ends[i]).unwrap_or_default()
+    }
+
+    /// The metadata of the samples in `runs` (ascending, disjoint ranges; `k` samples in all),
+    /// copied run by run: a claim of consecutive samples (a whole step) is one copy per column.
+    fn batch(&self, partition: &str, runs: &[(usize, usize)], k: usize) -> Result<BatchMeta, ControllerError> {
+        let key_bytes: usize = runs.iter().map(|&(s, e)| self.key_ends[e - 1] - self.key_start(s)).sum();
+        if key_bytes > u32::MAX as usize {
+            return Err(ControllerError::BadRequest(format!(
+                "a claim of {k} samples of partition `{partition}` holds {key_bytes} bytes of keys, over 4 GiB; claim fewer"
+            )));
+        }
+        let mut keys = String::with_capacity(key_bytes);
+        let mut key_offsets = Vec::with_capacity(k + 1);
+        key_offsets.push(0u32);
+        let mut units = Vec::with_capacity(k);
+        let mut tokens = Vec::with_capacity(k);
+        let mut rows: Vec<Vec<u32>> = self.rows.iter().map(|_| Vec::with_capacity(k)).collect();
+        let mut set_map = vec![u32::MAX; self.tag_sets.len()];
+        let mut tag_sets = Vec::new();
+        let mut tag_index = Vec::with_capacity(k);
+        for &(s, e) in runs {
+            let (from, to) = (self.key_start(s), keys.len());
+            keys.push_str(self.key_bytes.get(from..self.key_ends[e - 1]).unwrap_or_default());
+            // Below key_bytes, checked above.
+            key_offsets.extend(self.key_ends[s..e].iter().map(|&end| (end - from + to) as u32));
+            units.extend_from_slice(&self.units[s..e]);
+            tokens.extend_from_slice(&self.tokens[s..e]);
+            for (out, col) in rows.iter_mut().zip(&self.rows) {
+                out.extend_from_slice(&col[s..e]);
+            }
+            tag_index.extend(self.tag_of[s..e].iter().map(|&t| {
+                let m = &mut set_map[t as usize];
+                if *m == u32::MAX {
+                    *m = tag_sets.len() as u32;
+                    tag_sets.push(self.tag_sets[t as usize].clone());
+                }
+                *m
+            }));
+        }
+        if k == 0 {
+            key_offsets.clear();
+        }
+        Ok(BatchMeta::from_checked_columns(
+            partition.to_string(),
+            self.schema.clone(),
+            Arc::from(keys),
+            key_offsets,
+            units,
+            tokens,
+            rows,
+            tag_sets,
+            tag_index,
+        ))
+    }
+}
+
+/// `tags` with a name given twice kept once (the last value wins), as a merge would.
+fn merged(base: &[(String, String)], add: &[(String, String)]) -> SampleTags {
+    let mut tags = base.to_vec();
+    for (k, v) in add {
+        match tags.iter_mut().find(|(k2, _)| k2 == k) {
+            Some(t) => t.1 = v.clone(),
+            None => tags.push((k.clone(), v.clone())),
+        }
+    }
+    tags.into()
 }
 
 /// The controller's state machine. Not thread-safe by itself; [`TqController`] shares it.
@@ -195,18 +311,10 @@ impl Controller {
         if pname.is_empty() {
             return Err(ControllerError::BadRequest("partition name is empty; name the step, e.g. `step-12`".into()));
         }
-        for s in &meta.samples {
-            if let Some(reason) = self.lost_units.get(&s.unit) {
-                return Err(ControllerError::UnitLost { unit: s.unit, reason: reason.clone() });
-            }
-            if s.rows.len() != meta.schema.len() {
-                return Err(ControllerError::BadRequest(format!(
-                    "sample `{}` has {} row counts for {} fields",
-                    s.key,
-                    s.rows.len(),
-                    meta.schema.len()
-                )));
-            }
+        if !self.lost_units.is_empty()
+            && let Some((unit, reason)) = meta.units().iter().find_map(|u| Some((*u, self.lost_units.get(u)?)))
+        {
+            return Err(ControllerError::UnitLost { unit, reason: reason.clone() });
         }
         let empty = Partition::default();
         let part = self.partitions.get(pname).unwrap_or(&empty);
@@ -221,10 +329,10 @@ impl Controller {
         let mut new_fields: Vec<FieldSpec> = Vec::new();
         let mut map = Vec::with_capacity(meta.schema.len());
         for f in &meta.schema {
-            let existing = part.schema.iter().position(|g| g.name == f.name);
+            let existing = part.samples.schema.iter().position(|g| g.name == f.name);
             let idx = match existing {
                 Some(i) => {
-                    let g = &part.schema[i];
+                    let g = &part.samples.schema[i];
                     if !g.same_shape(f) {
                         return Err(ControllerError::Schema {
                             partition: pname.clone(),
@@ -253,74 +361,92 @@ impl Controller {
                     }
                     None => {
                         new_fields.push(f.clone());
-                        part.schema.len() + new_fields.len() - 1
+                        part.samples.schema.len() + new_fields.len() - 1
                     }
                 },
             };
             map.push(idx);
         }
-        if part.schema.len() + new_fields.len() > MAX_FIELDS {
+        if part.samples.schema.len() + new_fields.len() > MAX_FIELDS {
             return Err(ControllerError::Schema {
                 partition: pname.clone(),
                 field: new_fields.last().map(|f| f.name.clone()).unwrap_or_default(),
                 problem: format!("a partition holds at most {MAX_FIELDS} fields; pack related values into one field"),
             });
         }
-        let mut seen = BTreeSet::new();
-        for s in &meta.samples {
-            if !seen.insert(&*s.key) {
-                return Err(ControllerError::BadRequest(format!("key `{}` appears twice in one request", s.key)));
+        let mut seen = std::collections::HashSet::with_capacity(meta.len());
+        for s in meta.iter() {
+            if !seen.insert(s.key()) {
+                return Err(ControllerError::BadRequest(format!("key `{}` appears twice in one request", s.key())));
             }
-            if let Some(&i) = part.by_key.get(&s.key)
-                && part.samples[i].unit != s.unit
+            if let Some(&i) = part.by_key.get(s.key())
+                && part.samples.units[i] != s.unit()
             {
                 return Err(ControllerError::BadRequest(format!(
                     "key `{}` of partition `{pname}` already lives on storage unit {}, not {}; keys must be unique per step",
-                    s.key, part.samples[i].unit, s.unit
+                    s.key(),
+                    part.samples.units[i],
+                    s.unit()
                 )));
             }
         }
         // Apply.
         let part = self.partitions.entry(pname.clone()).or_default();
-        part.schema.extend(new_fields);
-        for s in &meta.samples {
-            let i = match part.by_key.get(&s.key) {
+        for f in new_fields {
+            part.samples.schema.push(f);
+            part.samples.rows.push(vec![ABSENT; part.samples.len()]);
+        }
+        let req_rows: Vec<Option<&[u32]>> = (0..meta.schema.len()).map(|f| meta.field_rows(f)).collect();
+        // The request's tag sets as the partition holds them, each added once.
+        let (req_sets, req_index) = meta.tag_columns();
+        let mut set_map: Vec<u32> = vec![u32::MAX; req_sets.len()];
+        part.samples.key_bytes.reserve(meta.key_columns().0.len());
+        for s in meta.iter() {
+            let i = match part.by_key.get(s.key()) {
                 Some(&i) => i,
                 None => {
-                    part.samples.push(Sample {
-                        key: s.key.clone(),
-                        unit: s.unit,
-                        tokens: s.tokens,
-                        rows: FieldRows::new(),
-                        present: 0,
-                        tags: SampleTags::default(),
-                    });
-                    part.by_key.insert(s.key.clone(), part.samples.len() - 1);
-                    part.units.insert(s.unit);
-                    part.samples.len() - 1
+                    let i = part.samples.len();
+                    part.samples.key_bytes.push_str(s.key());
+                    part.samples.key_ends.push(part.samples.key_bytes.len());
+                    part.samples.units.push(s.unit());
+                    part.samples.tokens.push(s.tokens());
+                    for col in &mut part.samples.rows {
+                        col.push(ABSENT);
+                    }
+                    part.samples.present.push(0);
+                    part.samples.tag_of.push(0);
+                    part.by_key.insert(s.shared_key(), i);
+                    part.units.insert(s.unit());
+                    i
                 }
             };
-            let sample = &mut part.samples[i];
-            for (req_idx, &rows) in s.rows.iter().enumerate() {
+            for (req_idx, col) in req_rows.iter().enumerate() {
+                let rows = col.map_or(ABSENT, |c| c[s.index()]);
                 if rows == ABSENT {
                     continue;
                 }
                 let idx = map[req_idx];
-                if sample.rows.len() <= idx {
-                    sample.rows.resize(idx + 1, ABSENT);
-                }
-                sample.rows[idx] = rows;
-                sample.present |= 1 << idx;
+                part.samples.rows[idx][i] = rows;
+                part.samples.present[i] |= 1 << idx;
             }
-            if !s.tags.is_empty() {
-                let mut tags = sample.tags.to_vec();
-                for (k, v) in s.tags.iter() {
-                    match tags.iter_mut().find(|(k2, _)| k2 == k) {
-                        Some(t) => t.1 = v.clone(),
-                        None => tags.push((k.clone(), v.clone())),
-                    }
+            let t = req_index[s.index()] as usize;
+            let add = &req_sets[t];
+            if add.is_empty() {
+                continue;
+            }
+            if part.samples.tag_of[i] == 0 {
+                // The sample has no tags yet: it takes the request's set, shared with the other
+                // samples of the request that name it.
+                if set_map[t] == u32::MAX {
+                    set_map[t] = part.samples.tag_sets.len() as u32;
+                    part.samples.tag_sets.push(merged(&[], add));
                 }
-                sample.tags = tags.into();
+                part.samples.tag_of[i] = set_map[t];
+            } else {
+                let base = &part.samples.tag_sets[part.samples.tag_of[i] as usize];
+                let tags = merged(base, add);
+                part.samples.tag_of[i] = part.samples.tag_sets.len() as u32;
+                part.samples.tag_sets.push(tags);
             }
         }
         Ok(())
@@ -343,7 +469,7 @@ impl Controller {
         let id = self.next_claim;
         self.next_claim += 1;
         let lease = self.lease;
-        let mut meta = BatchMeta { partition: partition.to_string(), ..Default::default() };
+        let meta = BatchMeta::new(partition, Vec::new());
         let Some(part) = self.partitions.get_mut(partition) else {
             return Ok(Claim { group: group.into(), claim_id: id, lease, meta });
         };
@@ -354,41 +480,53 @@ impl Controller {
                 reason: reason.clone(),
             });
         }
-        meta.schema = part.schema.clone();
+        let meta = BatchMeta::new(partition, part.samples.schema.clone());
         let mut mask = 0u64;
         for f in required {
-            match part.schema.iter().position(|g| &g.name == f) {
+            match part.samples.schema.iter().position(|g| &g.name == f) {
                 Some(i) => mask |= 1 << i,
                 None => return Ok(Claim { group: group.into(), claim_id: id, lease, meta }),
             }
         }
         let g = part.groups.entry(group.to_string()).or_default();
-        g.slots.resize(part.samples.len(), Slot::Free);
-        let until = now + lease;
-        let claimable = |slot: Slot| match slot {
-            Slot::Free => true,
-            Slot::Claimed { until, .. } => until <= now,
-            Slot::Acked => false,
-        };
-        if min > 0 {
-            let ready = (g.first_open..g.slots.len())
-                .filter(|&i| claimable(g.slots[i]) && part.samples[i].present & mask == mask)
-                .take(min)
-                .count();
-            if ready < min {
-                return Ok(Claim { group: group.into(), claim_id: id, lease, meta });
-            }
-        }
-        let mut picked = Vec::with_capacity(n.min(part.samples.len()));
+        g.slots.resize(part.samples.len(), FREE);
+        let present = &part.samples.present;
+        let ready = |g: &Group, j: usize| g.claimable(g.slots[j], now) && present[j] & mask == mask;
+        // The ready samples, as runs of consecutive ones (a whole step is one run).
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut picked = 0usize;
         let mut i = g.first_open;
-        while i < g.slots.len() && picked.len() < n {
-            if claimable(g.slots[i]) && part.samples[i].present & mask == mask {
-                g.slots[i] = Slot::Claimed { id, until };
-                picked.push(i);
+        while i < g.slots.len() && picked < n {
+            if ready(g, i) {
+                match runs.last_mut() {
+                    Some((_, end)) if *end == i => *end = i + 1,
+                    _ => runs.push((i, i + 1)),
+                }
+                picked += 1;
             }
             i += 1;
         }
-        meta.samples = picked.iter().map(|&i| part.sample_meta(i)).collect();
+        if picked < min {
+            // With min > n, samples past the n picked count towards min too.
+            let more = (i..g.slots.len()).filter(|&j| ready(g, j)).take(min - picked).count();
+            if picked + more < min {
+                return Ok(Claim { group: group.into(), claim_id: id, lease, meta });
+            }
+        }
+        if picked == 0 {
+            return Ok(Claim { group: group.into(), claim_id: id, lease, meta });
+        }
+        let slot = u32::try_from(g.claims.len() + 1).ok().filter(|&c| c != ACKED).ok_or_else(|| {
+            ControllerError::BadRequest(format!(
+                "group `{group}` has made {} claims of partition `{partition}`; use a new group or partition",
+                g.claims.len()
+            ))
+        })?;
+        let meta = part.samples.batch(partition, &runs, picked)?;
+        g.claims.push((id, now + lease));
+        for &(s, e) in &runs {
+            g.slots[s..e].fill(slot);
+        }
         Ok(Claim { group: group.into(), claim_id: id, lease, meta })
     }
 
@@ -420,15 +558,16 @@ impl Controller {
         let mut report = AckReport { acked: 0, stale: Vec::new() };
         for i in idx {
             match g.slots[i] {
-                Slot::Claimed { id, .. } if id == claim_id => {
-                    g.slots[i] = Slot::Acked;
+                ACKED => {}
+                FREE => report.stale.push(part.samples.key(i).to_string()),
+                c if g.claims[c as usize - 1].0 == claim_id => {
+                    g.slots[i] = ACKED;
                     report.acked += 1;
                 }
-                Slot::Acked => {}
-                _ => report.stale.push(part.samples[i].key.to_string()),
+                _ => report.stale.push(part.samples.key(i).to_string()),
             }
         }
-        while g.first_open < g.slots.len() && matches!(g.slots[g.first_open], Slot::Acked) {
+        while g.first_open < g.slots.len() && g.slots[g.first_open] == ACKED {
             g.first_open += 1;
         }
         Ok(report)
@@ -467,14 +606,14 @@ impl Controller {
             .iter()
             .map(|(name, g)| GroupStatus {
                 group: name.clone(),
-                claimed: g.slots.iter().filter(|s| matches!(s, Slot::Claimed { until, .. } if *until > now)).count(),
-                acked: g.slots.iter().filter(|s| matches!(s, Slot::Acked)).count(),
+                claimed: g.slots.iter().filter(|&&s| g.leased(s, now)).count(),
+                acked: g.slots.iter().filter(|&&s| s == ACKED).count(),
             })
             .collect();
         groups.sort_by(|a, b| a.group.cmp(&b.group));
         Some(PartitionStatus {
             samples: p.samples.len(),
-            fields: p.schema.iter().map(|f| f.name.clone()).collect(),
+            fields: p.samples.schema.iter().map(|f| f.name.clone()).collect(),
             units: p.units.iter().copied().collect(),
             lost: p.lost.clone(),
             groups,
@@ -651,7 +790,13 @@ impl TqController {
                 .await?;
         let peer = hello.peer;
         let mut buf = Vec::new();
+        let mut out = Vec::new();
         loop {
+            for b in [&mut buf, &mut out] {
+                if b.capacity() > codec::KEPT_BUFFER {
+                    *b = Vec::new();
+                }
+            }
             let (header, body) = match codec::read_message(&mut stream, &mut buf).await {
                 Ok(m) => m,
                 Err(ReadError::Io(e)) => return Err(NetError::io("reading a request", peer.as_str(), e)),
@@ -674,7 +819,7 @@ impl TqController {
             } else {
                 self.handle(body).await
             };
-            codec::write_message(&mut stream, &self.reply_header(header.request_id), &reply)
+            codec::write_message_with(&mut stream, &self.reply_header(header.request_id), &reply, &mut out)
                 .await
                 .map_err(|e| NetError::io("replying", peer.as_str(), e))?;
         }
@@ -871,19 +1016,12 @@ mod tests {
     use crate::tq::column::DType;
 
     fn meta(partition: &str, unit: u32, keys: std::ops::Range<u32>) -> BatchMeta {
-        BatchMeta {
-            partition: partition.into(),
-            schema: vec![FieldSpec::ragged("ids", DType::I64)],
-            samples: keys
-                .map(|i| SampleMeta {
-                    key: format!("k{i}").into(),
-                    unit,
-                    tokens: i + 1,
-                    rows: smallvec::smallvec![i + 1],
-                    tags: Default::default(),
-                })
-                .collect(),
+        let mut b = BatchMeta::builder(partition, vec![FieldSpec::ragged("ids", DType::I64)]);
+        let none = SampleTags::default();
+        for i in keys {
+            b.push(&format!("k{i}"), unit, i + 1, &[i + 1], &none).unwrap();
         }
+        b.finish()
     }
 
     fn req(f: &str) -> Vec<String> {
@@ -897,21 +1035,33 @@ mod tests {
         let t0 = Instant::now();
         let a = c.claim("p", "train", 4, 0, &req("ids"), t0).unwrap();
         let b = c.claim("p", "train", 100, 0, &req("ids"), t0).unwrap();
-        assert_eq!(a.meta.samples.len(), 4);
-        assert_eq!(b.meta.samples.len(), 6);
-        assert!(c.claim("p", "train", 100, 0, &req("ids"), t0).unwrap().meta.samples.is_empty());
+        assert_eq!(a.meta.len(), 4);
+        assert_eq!(b.meta.len(), 6);
+        assert!(c.claim("p", "train", 100, 0, &req("ids"), t0).unwrap().meta.is_empty());
         // Another group sees everything.
-        assert_eq!(c.claim("p", "eval", 100, 0, &req("ids"), t0).unwrap().meta.samples.len(), 10);
+        assert_eq!(c.claim("p", "eval", 100, 0, &req("ids"), t0).unwrap().meta.len(), 10);
         // Ack a; b's lease runs out; b's samples come back, a's never.
-        let keys: Vec<String> = a.meta.keys().iter().map(|s| s.to_string()).collect();
+        let keys: Vec<String> = a.meta.keys().map(String::from).collect();
         assert_eq!(c.ack("p", "train", a.claim_id, &keys).unwrap().acked, 4);
+        let train = |c: &Controller, at| {
+            let g = c.status("p", at).unwrap().groups.into_iter().find(|g| g.group == "train").unwrap();
+            (g.claimed, g.acked)
+        };
+        assert_eq!(train(&c, t0), (6, 4));
         let later = t0 + Duration::from_secs(11);
+        assert_eq!(train(&c, later), (0, 4), "b's lease ran out");
         let again = c.claim("p", "train", 100, 0, &req("ids"), later).unwrap();
-        assert_eq!(again.meta.keys(), b.meta.keys());
+        assert!(again.meta.keys().eq(b.meta.keys()));
         // b's late ack is stale for the keys the new claim holds.
-        let bkeys: Vec<String> = b.meta.keys().iter().map(|s| s.to_string()).collect();
+        let bkeys: Vec<String> = b.meta.keys().map(String::from).collect();
         let r = c.ack("p", "train", b.claim_id, &bkeys).unwrap();
         assert_eq!((r.acked, r.stale.len()), (0, 6));
+        assert_eq!(train(&c, later), (6, 4));
+        // Acking again changes nothing; the new claim's ack counts.
+        assert_eq!(c.ack("p", "train", a.claim_id, &keys).unwrap(), AckReport { acked: 0, stale: vec![] });
+        assert_eq!(c.ack("p", "train", again.claim_id, &bkeys).unwrap().acked, 6);
+        assert_eq!(train(&c, later), (0, 10));
+        assert!(c.claim("p", "train", 100, 0, &req("ids"), later + Duration::from_secs(60)).unwrap().meta.is_empty());
     }
 
     #[test]
@@ -919,23 +1069,15 @@ mod tests {
         let mut c = Controller::new(Duration::from_secs(10));
         c.register(&meta("p", 0, 0..3)).unwrap();
         let now = Instant::now();
-        assert!(c.claim("p", "g", 10, 0, &req("old_logprobs"), now).unwrap().meta.samples.is_empty());
-        let wb = BatchMeta {
-            partition: "p".into(),
-            schema: vec![FieldSpec::ragged("old_logprobs", DType::F32)],
-            samples: vec![SampleMeta {
-                key: "k1".into(),
-                unit: 0,
-                tokens: 0,
-                rows: smallvec::smallvec![2],
-                tags: Default::default(),
-            }],
-        };
+        assert!(c.claim("p", "g", 10, 0, &req("old_logprobs"), now).unwrap().meta.is_empty());
+        let mut wb = BatchMeta::builder("p", vec![FieldSpec::ragged("old_logprobs", DType::F32)]);
+        wb.push("k1", 0, 0, &[2], &SampleTags::default()).unwrap();
+        let wb = wb.finish();
         c.register(&wb).unwrap();
         let got = c.claim("p", "g", 10, 0, &["ids".into(), "old_logprobs".into()], now).unwrap();
-        assert_eq!(got.meta.keys(), vec!["k1"]);
-        assert_eq!(got.meta.samples[0].rows.as_slice(), [2, 2]);
-        assert_eq!(got.meta.samples[0].tokens, 2, "a write-back keeps the sample's tokens");
+        assert_eq!(got.meta.keys().collect::<Vec<_>>(), ["k1"]);
+        assert_eq!(got.meta.sample(0).all_rows().collect::<Vec<_>>(), [2, 2]);
+        assert_eq!(got.meta.sample(0).tokens(), 2, "a write-back keeps the sample's tokens");
     }
 
     #[test]
@@ -959,10 +1101,86 @@ mod tests {
         assert_eq!(c.mark_unit_lost(1, "connection closed"), vec!["b".to_string()]);
         let e = c.claim("b", "g", 1, 0, &[], Instant::now()).unwrap_err();
         assert!(e.to_string().contains("storage unit 1") && e.to_string().contains("connection closed"), "{e}");
-        assert_eq!(c.claim("a", "g", 5, 0, &[], Instant::now()).unwrap().meta.samples.len(), 2);
+        assert_eq!(c.claim("a", "g", 5, 0, &[], Instant::now()).unwrap().meta.len(), 2);
         assert!(matches!(c.register(&meta("c", 1, 0..1)), Err(ControllerError::UnitLost { unit: 1, .. })));
         assert_eq!(c.clear("b"), Some(vec![1]));
         assert!(c.status("b", Instant::now()).is_none());
+    }
+
+    #[test]
+    fn claims_hand_out_each_samples_columns_and_tags_as_registered() {
+        let mut c = Controller::new(Duration::from_secs(10));
+        let schema = vec![FieldSpec::ragged("ids", DType::I64), FieldSpec::fixed("r", DType::F32, vec![])];
+        let group_a: SampleTags = vec![("uid".to_string(), "a".to_string())].into();
+        let mut b = BatchMeta::builder("p", schema.clone());
+        for i in 0..10u32 {
+            let own: SampleTags = vec![("n".to_string(), i.to_string())].into();
+            let tags = match i % 3 {
+                0 => &group_a,
+                1 => &own,
+                _ => &SampleTags::default(),
+            };
+            b.push(&format!("key-{i}"), i % 2, 100 + i, &[i, if i == 4 { ABSENT } else { 1 }], tags).unwrap();
+        }
+        c.register(&b.finish()).unwrap();
+        let now = Instant::now();
+        // Take samples 1 and 5 out first: the next claim is of non-consecutive samples.
+        let first = c.claim("p", "g", 2, 0, &[], now).unwrap();
+        assert_eq!(first.meta.keys().collect::<Vec<_>>(), ["key-0", "key-1"]);
+        let r = c.claim("p", "g", 100, 0, &["ids".into(), "r".into()], now).unwrap();
+        let want: Vec<u32> = vec![2, 3, 5, 6, 7, 8, 9];
+        assert_eq!(r.meta.keys().collect::<Vec<_>>(), want.iter().map(|i| format!("key-{i}")).collect::<Vec<_>>());
+        assert_eq!(r.meta.units(), want.iter().map(|i| i % 2).collect::<Vec<_>>());
+        assert_eq!(r.meta.tokens(), want.iter().map(|i| 100 + i).collect::<Vec<_>>());
+        assert_eq!(r.meta.field_rows(0), Some(&want[..]));
+        assert_eq!(r.meta.schema, schema);
+        for s in &r.meta {
+            let i = want[s.index()];
+            let expect: Vec<(String, String)> = match i % 3 {
+                0 => vec![("uid".into(), "a".into())],
+                1 => vec![("n".into(), i.to_string())],
+                _ => vec![],
+            };
+            assert_eq!(s.tags(), expect, "sample {i}");
+        }
+        // One set for the group's shared tags (samples 3, 6, 9), one each for 7's own, one empty.
+        assert_eq!(r.meta.tag_columns().0.len(), 3);
+        // Sample 4 lacks `r`: a claim not requiring it gets it with the field absent.
+        let rest = c.claim("p", "g", 100, 0, &["ids".into()], now).unwrap();
+        assert_eq!(rest.meta.keys().collect::<Vec<_>>(), ["key-4"]);
+        assert_eq!(rest.meta.sample(0).all_rows().collect::<Vec<_>>(), [4, ABSENT]);
+    }
+
+    #[test]
+    fn registering_tags_again_merges_them_and_the_last_value_wins() {
+        let mut c = Controller::new(Duration::from_secs(10));
+        let reg = |c: &mut Controller, tags: &[(&str, &str)]| {
+            let tags: SampleTags = tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            let mut b = BatchMeta::builder("p", vec![FieldSpec::ragged("ids", DType::I64)]);
+            b.push("k", 0, 1, &[1], &tags).unwrap();
+            b.push("plain", 0, 1, &[1], &SampleTags::default()).unwrap();
+            c.register(&b.finish()).unwrap();
+        };
+        reg(&mut c, &[("a", "1"), ("a", "2")]);
+        reg(&mut c, &[]);
+        let tags_of = |c: &mut Controller, g: &str| {
+            let m = c.claim("p", g, 10, 0, &[], Instant::now()).unwrap().meta;
+            m.iter().map(|s| s.tags().to_vec()).collect::<Vec<_>>()
+        };
+        let pair = |k: &str, v: &str| (k.to_string(), v.to_string());
+        assert_eq!(tags_of(&mut c, "g0"), [vec![pair("a", "2")], vec![]]);
+        reg(&mut c, &[("b", "x"), ("a", "3")]);
+        assert_eq!(tags_of(&mut c, "g1"), [vec![pair("a", "3"), pair("b", "x")], vec![]]);
+        assert_eq!(c.status("p", Instant::now()).unwrap().samples, 2);
+    }
+
+    #[test]
+    fn a_minimum_above_n_counts_the_samples_past_the_first_n() {
+        let mut c = Controller::new(Duration::from_secs(10));
+        c.register(&meta("p", 0, 0..10)).unwrap();
+        let now = Instant::now();
+        assert!(c.claim("p", "g", 3, 11, &[], now).unwrap().meta.is_empty(), "only 10 ready");
+        assert_eq!(c.claim("p", "g", 3, 10, &[], now).unwrap().meta.len(), 3);
     }
 
     #[test]
@@ -974,10 +1192,10 @@ mod tests {
         for round in 0..3 {
             let group = format!("g{round}");
             let got = c.claim("p", &group, 4096, 4096, &req("ids"), Instant::now()).unwrap();
-            let keys = got.meta.keys();
+            let keys: Vec<&str> = got.meta.keys().collect();
             assert_eq!(keys.len(), 4096);
             assert_eq!(keys.iter().collect::<BTreeSet<_>>().len(), 4096, "every sample once");
-            assert!(c.claim("p", &group, 4096, 0, &req("ids"), Instant::now()).unwrap().meta.samples.is_empty());
+            assert!(c.claim("p", &group, 4096, 0, &req("ids"), Instant::now()).unwrap().meta.is_empty());
         }
     }
 }

@@ -116,7 +116,7 @@ impl TcpFanoutLeader {
 
 impl FanoutSender for TcpFanoutLeader {
     async fn broadcast(&mut self, batch: &Batch) -> Result<(), TqError> {
-        let n = batch.meta.samples.len();
+        let n = batch.meta.len();
         if let Some(c) = batch.columns.iter().find(|c| c.len() != n) {
             return Err(TqError::input(
                 format!("column `{}` has {} samples but the batch metadata {n}", c.name(), c.len()),

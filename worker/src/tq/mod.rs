@@ -23,7 +23,8 @@ pub mod storage;
 pub use assign::{Assignment, assign};
 pub use client::{ClientConfig, PutOptions, PutReport, TqClient, WriteRole};
 pub use column::{
-    ABSENT, Batch, BatchMeta, Column, DType, Element, FieldRows, FieldSpec, SampleKey, SampleMeta, SampleTags,
+    ABSENT, Batch, BatchMeta, BatchMetaBuilder, Column, DType, Element, FieldSpec, MetaError, SampleKey, SampleRef,
+    SampleTags,
 };
 pub use controller::{Claim, ControllerConfig, TqController};
 pub use storage::{StorageServer, StorageUnit};
