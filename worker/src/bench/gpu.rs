@@ -422,7 +422,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
         // Where a refit's time goes beyond that copy: the same bytes as one copy per tensor,
         // without any control message.
         let sizes: Vec<u64> = plan.manifest().iter().map(|t| t.size_bytes()).collect();
-        for streams in [1, 2] {
+        for streams in [1, 2, 4] {
             let mut t = Vec::new();
             for i in 0..args.warmup + iters {
                 let r = all(peers, &[0], |_| Op::D2dPieces { sizes: sizes.clone(), streams }).await?;
