@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
+use crate::control::monotonic_ns;
 use crate::gpu::nccl::{Comm, UniqueId};
 use crate::gpu::tensors::DeviceTensors;
 use crate::gpu::{DeviceBuffer, Gpu, GpuError, copy_async};
@@ -134,8 +135,9 @@ enum Op {
     Connect { transport: GpuTransport, staged: bool },
     /// Rewrite the shard for `version` (untimed).
     Update { version: u64 },
-    /// One refit (timed).
-    Refit { version: u64 },
+    /// One refit (timed), started at `at_ns` on the host's monotonic clock when given (every
+    /// peer at once).
+    Refit { version: u64, at_ns: Option<u64> },
     /// Digest of what this rank sends or holds, for `version` under `verify` (timed).
     Digest { version: u64, verify: RefitVerify },
     /// One read of `bytes` of device memory (timed): the read-bandwidth ceiling of the digest.
@@ -164,6 +166,12 @@ struct Reply {
     digest: Option<u64>,
     id: Option<Vec<u8>>,
     state: Option<String>,
+    /// A refit's entry and exit on the host's monotonic clock (one clock for every process of
+    /// the host), so the bench can place the peers' phases on one timeline.
+    start_ns: u64,
+    end_ns: u64,
+    /// A refit's own phases, seconds: begin (announcing or awaiting the start), transfer, end.
+    phases: [f64; 3],
 }
 
 /// One measured line of the results.
@@ -460,16 +468,20 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
         variants.retain(|(t, _)| *t == GpuTransport::Nccl || args.transport == GpuTransport::CudaIpc);
     }
     let mut version = 0u64;
+    let mut phase_rows = Vec::new();
     let mut best: Option<(String, f64)> = None;
     for (transport, staged) in variants {
         all(peers, &everyone, |_| Op::Connect { transport, staged }).await?;
         let mut t = Vec::new();
+        let mut timelines = Vec::new();
         for i in 0..args.warmup + iters {
             version += 1;
             all(peers, &senders, |_| Op::Update { version }).await?;
-            let r = all(peers, &everyone, |_| Op::Refit { version }).await?;
+            let at_ns = Some(monotonic_ns() + START_LEAD.as_nanos() as u64);
+            let r = all(peers, &everyone, |_| Op::Refit { version, at_ns }).await?;
             if i >= args.warmup {
                 t.push(timed(&r));
+                timelines.push(Timeline::of(&r[..s], &r[s..]));
             }
         }
         // Verify every byte of the last refit, outside the timed region.
@@ -491,6 +503,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
             best = Some((name.clone(), m));
         }
         rows.push(row(&format!("{name} (checksums verified)"), model_bytes, t));
+        phase_rows.extend(Timeline::rows(&name, &timelines));
     }
     if args.transport == GpuTransport::Auto
         && !args.colocated
@@ -573,6 +586,7 @@ pub async fn launch(args: &GpuBenchArgs) -> anyhow::Result<Vec<Row>> {
             .push(Row::ratio(format!("  ratio: {} ÷ {}", short(&rows[1].what), short(&r.what)), r.secs / rows[1].secs));
     }
     rows.extend(copy_rows);
+    rows.extend(phase_rows);
     rows.extend(verify_rows);
     rows.extend(ratio_rows);
     Ok(rows)
@@ -615,10 +629,10 @@ pub async fn kill_sender_mid_refit(args: &GpuBenchArgs, kill_after: Duration) ->
     let transport = args.transport;
     all(&mut l.peers, &everyone, |_| Op::Connect { transport, staged: false }).await?;
     all(&mut l.peers, &senders, |_| Op::Update { version: 1 }).await?;
-    all(&mut l.peers, &everyone, |_| Op::Refit { version: 1 }).await?;
+    all(&mut l.peers, &everyone, |_| Op::Refit { version: 1, at_ns: None }).await?;
     all(&mut l.peers, &senders, |_| Op::Update { version: 2 }).await?;
     for i in 0..n {
-        l.peers[i].send(&Op::Refit { version: 2 }).await?;
+        l.peers[i].send(&Op::Refit { version: 2, at_ns: None }).await?;
     }
     tokio::time::sleep(kill_after).await;
     l.peers[0].child.start_kill()?;
@@ -640,6 +654,75 @@ pub async fn kill_sender_mid_refit(args: &GpuBenchArgs, kill_after: Duration) ->
         out.push(format!("{} failed after {took:.2?} ({e:#}) and holds {state}", l.peers[i].name));
     }
     Ok(out.join("\n"))
+}
+
+/// How far ahead of now the bench schedules a refit's start: long enough for every peer to have
+/// read its operation (a pipe and a wake-up each, tens of microseconds).
+const START_LEAD: Duration = Duration::from_millis(3);
+
+/// Returns at `at_ns` on the host's monotonic clock: sleeps until shortly before, then spins, so
+/// the peers given the same instant start within microseconds of each other and a refit's time
+/// is not the bench's dispatch of its operation to one peer after the other.
+fn wait_until(at_ns: u64) {
+    let now = monotonic_ns();
+    if at_ns > now + 300_000 {
+        std::thread::sleep(Duration::from_nanos(at_ns - now - 300_000));
+    }
+    while monotonic_ns() < at_ns {
+        std::hint::spin_loop();
+    }
+}
+
+/// One refit placed on the host's clock: where its time goes between the processes, which each
+/// peer's own timer cannot show (a receiver waiting for the start cannot tell the sender's late
+/// arrival from a slow start message).
+struct Timeline {
+    /// From the last peer's entry to the last peer's exit: the refit once everyone is in it.
+    span: f64,
+    /// How much later the last peer entered than the first (the bench's dispatch, not the refit).
+    skew: f64,
+    /// From the sender's start announcement to the slowest receiver's having it (or its own
+    /// entry, if later).
+    start_trip: f64,
+    /// The slowest receiver's transfer phase: its copies, issued as the buckets are announced.
+    copies: f64,
+    /// From the last receiver's exit to the sender's: the end confirmation's trip.
+    end_trip: f64,
+}
+
+impl Timeline {
+    fn of(senders: &[Reply], receivers: &[Reply]) -> Timeline {
+        let secs = |ns: i128| ns as f64 / 1e9;
+        let all = || senders.iter().chain(receivers);
+        let first = all().map(|r| r.start_ns).min().unwrap_or(0);
+        let last_in = all().map(|r| r.start_ns).max().unwrap_or(0);
+        let last_out = all().map(|r| r.end_ns).max().unwrap_or(0);
+        let announced = senders.iter().map(|r| r.start_ns as i128 + (r.phases[0] * 1e9) as i128).max().unwrap_or(0);
+        let started = receivers.iter().map(|r| r.start_ns as i128 + (r.phases[0] * 1e9) as i128).max().unwrap_or(0);
+        let receivers_out = receivers.iter().map(|r| r.end_ns).max().unwrap_or(0);
+        let senders_out = senders.iter().map(|r| r.end_ns).max().unwrap_or(0);
+        Timeline {
+            span: secs(last_out as i128 - last_in as i128),
+            skew: secs(last_in as i128 - first as i128),
+            start_trip: secs((started - announced).max(0)),
+            copies: receivers.iter().map(|r| r.phases[1]).fold(0.0, f64::max),
+            end_trip: secs((senders_out as i128 - receivers_out as i128).max(0)),
+        }
+    }
+
+    /// Rows for a refit variant's timed runs (median and spread of each part).
+    fn rows(name: &str, runs: &[Timeline]) -> Vec<Row> {
+        let part = |what: &str, f: fn(&Timeline) -> f64| {
+            row(&format!("· {}: {what}", short(name)), 0, runs.iter().map(f).collect())
+        };
+        vec![
+            part("from the last entry to the last exit", |t| t.span),
+            part("peers' entry skew (bench dispatch)", |t| t.skew),
+            part("start announced → receivers have it", |t| t.start_trip),
+            part("receivers' transfer phase", |t| t.copies),
+            part("receivers done → sender done", |t| t.end_trip),
+        ]
+    }
 }
 
 fn short(s: &str) -> &str {
@@ -792,8 +875,12 @@ impl PeerState {
                 });
             }
             Op::Update { version } => self.memory.update(&self.plans[0], version)?,
-            Op::Refit { version } => {
+            Op::Refit { version, at_ns } => {
                 self.sync()?;
+                if let Some(at) = at_ns {
+                    wait_until(at);
+                }
+                reply.start_ns = monotonic_ns();
                 let t = Instant::now();
                 let stats = match self.side.as_mut().context("not connected")? {
                     Side::Sender { sender, .. } => sender.send(version, &self.memory).await?,
@@ -801,6 +888,8 @@ impl PeerState {
                 };
                 self.sync()?;
                 reply.secs = t.elapsed().as_secs_f64();
+                reply.end_ns = monotonic_ns();
+                reply.phases = [stats.begin_secs, stats.transfer_secs, stats.end_secs];
                 // Where a refit's time goes (RLPLANE_LOG=debug): the fixed part is begin + end and
                 // what transfer spends beyond the copies.
                 crate::roles::trainer::refit_event(&stats);
