@@ -96,7 +96,7 @@ pub struct PodEntry {
     pub host: String,
     /// Host its listeners bind (0.0.0.0 in a cluster, 127.0.0.1 locally).
     pub bind_host: String,
-    /// Directory of its ZMQ ipc:// sockets (the shared emptyDir).
+    /// Directory of its ipc:// (Unix) sockets (the shared emptyDir).
     pub ipc_dir: String,
 }
 
@@ -200,7 +200,7 @@ pub struct ProcessEntry {
     /// Listening ports.
     #[serde(default)]
     pub ports: ProcessPorts,
-    /// Colocated refit: the ZMQ `ipc://` endpoint this trainer rank binds for its GPU, which the
+    /// Colocated refit: the `ipc://` (Unix socket) endpoint this trainer rank binds for its GPU, which the
     /// generation rank on the same GPU connects to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipc: Option<String>,

@@ -36,7 +36,7 @@ pub trait Addressing {
     fn host(&self, pod: &str) -> String;
     /// Host `pod`'s listeners bind.
     fn bind_host(&self, pod: &str) -> String;
-    /// Directory for `pod`'s ZMQ ipc:// sockets.
+    /// Directory for `pod`'s ipc:// (Unix) sockets.
     fn ipc_dir(&self, pod: &str) -> String;
     /// Port of a service: `base` is one of [`ports`], `offset` the process's local index or slot.
     fn port(&self, pod: &str, base: u16, offset: u32) -> u16;
@@ -53,7 +53,7 @@ pub struct ClusterAddressing {
     pub namespace: String,
 }
 
-/// Directory of the shared emptyDir holding ZMQ ipc:// sockets inside a pod.
+/// Directory of the shared emptyDir holding the ipc:// (Unix) sockets inside a pod.
 pub const POD_IPC_DIR: &str = "/var/run/rlplane";
 
 impl Addressing for ClusterAddressing {

@@ -17,8 +17,8 @@
 //! Both proofs cover both nonces (the client's is inside the hello), so a recorded handshake
 //! replayed to either side fails; the labels differ, so one side's proof never passes as the
 //! other's. Nothing a peer sends is acted on before its proof checks out, and every refusal is
-//! counted ([`Refusals`]). The same steps run over ZMQ for the CUDA IPC control channel
-//! ([`JobAuth::client_hello`], [`JobAuth::open_hello`]).
+//! counted ([`Refusals`]). The same steps run on the CUDA IPC control channel's Unix socket
+//! ([`accept_hello_on`], [`send_hello`]).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -605,7 +605,7 @@ impl ServerChallenge {
 }
 
 /// Writes a refusal: [`HELLO_REFUSED`] and the reason as a frame.
-async fn refuse(stream: &mut TcpStream, reason: &str) {
+async fn refuse<S: AsyncWriteExt + Unpin>(stream: &mut S, reason: &str) {
     let mut b = vec![HELLO_REFUSED];
     b.extend_from_slice(&(reason.len() as u32).to_le_bytes());
     b.extend_from_slice(reason.as_bytes());
@@ -614,7 +614,7 @@ async fn refuse(stream: &mut TcpStream, reason: &str) {
 }
 
 /// Reads the reason frame that follows [`HELLO_REFUSED`].
-async fn read_refusal(stream: &mut TcpStream, peer: &str) -> Result<String, NetError> {
+async fn read_refusal<S: AsyncReadExt + Unpin>(stream: &mut S, peer: &str) -> Result<String, NetError> {
     let mut reason = Vec::new();
     read_frame(stream, &mut reason, 64 << 10).await.map_err(|e| NetError::io("reading the refusal", peer, e))?;
     Ok(String::from_utf8_lossy(&reason).into_owned())
@@ -622,9 +622,10 @@ async fn read_refusal(stream: &mut TcpStream, peer: &str) -> Result<String, NetE
 
 /// Connecting side: sends `hello` with the job token and a fresh nonce, checks the accepting
 /// side's proof, sends its own and waits for the verdict. Each side learns why the other refused
-/// it ([`NetError::Refused`]).
-pub async fn send_hello(
-    stream: &mut TcpStream,
+/// it ([`NetError::Refused`]). Any stream: TCP ports, and the Unix socket of the CUDA IPC
+/// transport's control channel.
+pub async fn send_hello<S: AsyncReadExt + AsyncWriteExt + Unpin>(
+    stream: &mut S,
     auth: &JobAuth,
     hello: &Hello,
     deadline: Instant,
@@ -690,7 +691,20 @@ pub async fn accept_hello(
     check_extra: impl FnOnce(&Hello) -> Result<(), String>,
 ) -> Result<Hello, NetError> {
     let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
-    let peer = peer_addr.as_str();
+    accept_hello_on(stream, &peer_addr, auth, magic, version, deadline, check_extra).await
+}
+
+/// [`accept_hello`] on any stream; `peer` names the other end in errors (a Unix socket's peer
+/// has no address).
+pub async fn accept_hello_on<S: AsyncReadExt + AsyncWriteExt + Unpin>(
+    stream: &mut S,
+    peer: &str,
+    auth: &JobAuth,
+    magic: [u8; 4],
+    version: u16,
+    deadline: Instant,
+    check_extra: impl FnOnce(&Hello) -> Result<(), String>,
+) -> Result<Hello, NetError> {
     until(deadline, "handshaking", peer, async {
         let mut buf = Vec::new();
         read_frame(stream, &mut buf, 1 << 20).await.map_err(|e| NetError::io("reading the handshake", peer, e))?;

@@ -3,11 +3,11 @@
 //! ranks share a GPU in one pod) and between GPUs of one node (peer copies over NVLink beat NCCL
 //! there: GPU-NOTES.md).
 //!
-//! Control goes over ZMQ: the sender binds a ROUTER on an `ipc://` socket in the pod's shared
-//! emptyDir; each receiver connects a DEALER. Messages (first byte is the kind):
-//! `H` hello (the [`crate::net`] hello: token, name, plan identity, nonce) → `C` challenge (the
-//! sender's nonce and proof of the epoch's key) → `P` proof (the receiver's) → `W` welcome /
-//! `R` refused (either side may refuse, with the reason); `B` begin (version);
+//! Control goes over a Unix stream socket: the sender listens on a path in the pod's shared
+//! emptyDir (the plan's `ipc://` endpoint); each receiver connects and passes the [`crate::net`]
+//! handshake (token, key proof both ways, plan identity in the hello); the sender's welcome names
+//! its GPU. Then length-prefixed frames ([`UnixLink`]: written and read by non-blocking system
+//! calls on the refit's own task), the first byte saying what it is: `B` begin (version);
 //! `N` new handle (key, 64-byte CUDA IPC handle of an allocation, exported once, opened once and
 //! cached by the receiver); `K` bucket (its pieces as (handle key, offset, length)); `A` bucket
 //! copied (the sender may reuse what it lent); `D` done (version).
@@ -22,14 +22,14 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaEvent, CudaStream};
 use futures::StreamExt;
-use tokio::sync::mpsc;
+use futures::stream::FuturesUnordered;
+use tokio::net::{UnixListener, UnixStream};
 use tokio::time::Instant;
-use zeromq::{DealerSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
+use super::unix_link::UnixLink;
 use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async};
@@ -59,59 +59,18 @@ pub enum IpcTicket {
     },
 }
 
-enum Inbound {
-    Message(Vec<Bytes>),
-    /// The socket failed.
-    Lost(String),
-    /// A peer disconnected: fatal once the group is joined, not while strangers come and go
-    /// during the handshake.
-    Disconnected(String),
+/// A joined receiver, as the sender sees it.
+struct Peer {
+    name: String,
+    link: UnixLink,
 }
 
-/// The ZMQ socket lives in its own task; the transport talks to it through channels, so that
-/// polling for messages never cancels a receive.
-struct Channel {
-    out: mpsc::UnboundedSender<ZmqMessage>,
-    inbound: mpsc::UnboundedReceiver<Inbound>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-fn spawn_socket<S>(mut socket: S) -> Channel
-where
-    S: Socket + SocketRecv + SocketSend + Send + 'static,
-{
-    let (out, mut out_rx) = mpsc::unbounded_channel::<ZmqMessage>();
-    let (in_tx, inbound) = mpsc::unbounded_channel();
-    let mut monitor = socket.monitor();
-    let task = tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                m = socket.recv() => match m {
-                    Ok(m) => { if in_tx.send(Inbound::Message(m.into_vec())).is_err() { return; } }
-                    Err(e) => { let _ = in_tx.send(Inbound::Lost(e.to_string())); return; }
-                },
-                m = out_rx.recv() => match m {
-                    Some(m) => if let Err(e) = socket.send(m).await { let _ = in_tx.send(Inbound::Lost(e.to_string())); return; },
-                    None => return,
-                },
-                Some(ev) = monitor.next() => {
-                    if let SocketEvent::Disconnected(peer) = ev {
-                        let _ = in_tx.send(Inbound::Disconnected(format!("peer {:?} disconnected", String::from_utf8_lossy(&Bytes::from(peer)))));
-                    }
-                }
-            }
-        }
-    });
-    Channel { out, inbound, task }
-}
-
-fn msg(frames: Vec<Bytes>) -> ZmqMessage {
-    ZmqMessage::try_from(frames).expect("at least one frame")
-}
+/// The largest control frame: a bucket's piece list is 20 bytes a piece.
+const MAX_FRAME: u32 = 64 << 20;
 
 struct RootState {
-    /// Receivers by ZMQ identity.
-    receivers: Vec<(Bytes, String)>,
+    /// The joined receivers.
+    receivers: Vec<Peer>,
     /// Exported allocations: base → key.
     exported: HashMap<CUdeviceptr, u32>,
     /// The next key (keys are never reused: receivers cache their mappings by key).
@@ -122,6 +81,8 @@ struct RootState {
 }
 
 struct ReceiverState {
+    /// The connection to the sender.
+    sender: UnixLink,
     /// Opened allocations by key.
     mapped: HashMap<u32, IpcMapping>,
     /// Source pieces the sender announced, by bucket.
@@ -139,7 +100,6 @@ pub struct IpcTransport {
     name: String,
     gpu: Gpu,
     mode: IpcMode,
-    channel: Channel,
     root: Option<RootState>,
     recv: Option<ReceiverState>,
     /// The GPU whose copy engines move the lent bytes: the sender's (the receiver pushes from
@@ -189,23 +149,23 @@ impl IpcTransport {
         auth: &JobAuth,
         deadline: Instant,
     ) -> Result<IpcTransport, TransportError> {
-        if let Some(path) = endpoint.strip_prefix("ipc://") {
-            // A socket file left by an earlier epoch would refuse the bind.
-            let _ = std::fs::remove_file(path);
-        }
-        let mut socket = RouterSocket::new();
-        socket.bind(endpoint).await.map_err(|e| TransportError::Config(format!("binding {endpoint}: {e}")))?;
-        let mut channel = spawn_socket(socket);
+        let path = socket_path(endpoint)?;
+        // A socket file left by an earlier epoch would refuse the bind.
+        let _ = std::fs::remove_file(path);
+        let listener =
+            UnixListener::bind(path).map_err(|e| TransportError::Config(format!("binding {endpoint}: {e}")))?;
         let ordinal = gpu.ordinal() as u32;
-        let joined = accept_receivers(name, &mut channel, receivers, &plan.identity(), auth, ordinal, deadline).await?;
+        let joined = accept_receivers(name, &listener, receivers, &plan.identity(), auth, ordinal, deadline).await;
+        // Nobody else joins this group: the path goes (a new epoch binds it afresh).
+        drop(listener);
+        let _ = std::fs::remove_file(path);
         Self::new(
             name,
             gpu,
             gpu,
             mode,
-            channel,
             Some(RootState {
-                receivers: joined,
+                receivers: joined?,
                 exported: HashMap::new(),
                 next_key: 0,
                 acks: HashMap::new(),
@@ -226,11 +186,11 @@ impl IpcTransport {
         auth: &JobAuth,
         deadline: Instant,
     ) -> Result<IpcTransport, TransportError> {
-        let mut socket = DealerSocket::new();
+        let path = socket_path(endpoint)?;
         // The sender may not have bound yet: retry until the deadline.
-        loop {
-            match socket.connect(endpoint).await {
-                Ok(()) => break,
+        let mut stream = loop {
+            match UnixStream::connect(path).await {
+                Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => {
                     return Err(TransportError::Timeout {
                         peer: endpoint.into(),
@@ -240,11 +200,11 @@ impl IpcTransport {
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
-        }
-        let mut channel = spawn_socket(socket);
-        let sender_gpu = say_hello(&mut channel, me, endpoint, &plan.identity(), auth, deadline).await?;
+        };
+        let sender_gpu = say_hello(&mut stream, me, endpoint, &plan.identity(), auth, deadline).await?;
         let copier = copier_for(gpu, sender_gpu);
         let state = ReceiverState {
+            sender: UnixLink::new(stream, MAX_FRAME).map_err(|e| io_err(endpoint, "taking over the connection", e))?,
             mapped: HashMap::new(),
             announced: HashMap::new(),
             submitted: VecDeque::new(),
@@ -252,7 +212,7 @@ impl IpcTransport {
             begun: None,
             next_stream: 0,
         };
-        Self::new(name, gpu, &copier, IpcMode::Direct, channel, None, Some(state))
+        Self::new(name, gpu, &copier, IpcMode::Direct, None, Some(state))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -261,7 +221,6 @@ impl IpcTransport {
         gpu: &Gpu,
         copier: &Gpu,
         mode: IpcMode,
-        channel: Channel,
         root: Option<RootState>,
         recv: Option<ReceiverState>,
     ) -> Result<IpcTransport, TransportError> {
@@ -270,7 +229,6 @@ impl IpcTransport {
             name: name.into(),
             gpu: gpu.clone(),
             mode,
-            channel,
             root,
             recv,
             copier: copier.clone(),
@@ -304,82 +262,79 @@ impl IpcTransport {
         }
     }
 
-    fn send_all(&mut self, body: Vec<Bytes>) -> Result<(), TransportError> {
-        let root = self.root.as_ref().expect("root only");
-        for (id, peer) in &root.receivers {
-            let mut frames = vec![id.clone()];
-            frames.extend(body.iter().cloned());
-            self.channel
-                .out
-                .send(msg(frames))
-                .map_err(|_| TransportError::Closed { peer: peer.clone(), what: "sending".into() })?;
+    fn send_all(&mut self, parts: &[&[u8]]) -> Result<(), TransportError> {
+        let root = self.root.as_mut().expect("root only");
+        for p in &mut root.receivers {
+            p.link.send(parts).map_err(|e| link_err(&p.name, "sending", e))?;
         }
         Ok(())
     }
 
-    fn send_root(&mut self, body: Vec<Bytes>) -> Result<(), TransportError> {
-        self.channel
-            .out
-            .send(msg(body))
-            .map_err(|_| TransportError::Closed { peer: self.name.clone(), what: "sending to the sender".into() })
+    fn send_root(&mut self, parts: &[&[u8]]) -> Result<(), TransportError> {
+        let st = self.recv.as_mut().expect("receiver only");
+        st.sender.send(parts).map_err(|e| link_err(&self.name, "sending to the sender", e))
     }
 
-    /// Handles every message already received (never waits).
+    /// Handles every message already received, reading the sockets itself (never waits), and
+    /// writes what the sockets did not take before.
     fn pump(&mut self) -> Result<(), TransportError> {
+        if let Some(root) = self.root.as_mut() {
+            let mut frames = Vec::new();
+            for (i, p) in root.receivers.iter_mut().enumerate() {
+                p.link.flush().map_err(|e| link_err(&p.name, "sending", e))?;
+                while let Some(f) = p.link.try_recv().map_err(|e| link_err(&p.name, "refitting", e))? {
+                    frames.push((i, f));
+                }
+            }
+            for (i, f) in frames {
+                self.on_root_message(i, &f)?;
+            }
+            return Ok(());
+        }
         loop {
-            let m = match self.channel.inbound.try_recv() {
-                Ok(Inbound::Message(m)) => m,
-                Ok(Inbound::Lost(why) | Inbound::Disconnected(why)) => {
-                    return Err(TransportError::Closed { peer: self.name.clone(), what: format!("refitting ({why})") });
-                }
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
-                    return Err(TransportError::Closed {
-                        peer: self.name.clone(),
-                        what: "refitting (socket task ended)".into(),
-                    });
-                }
-            };
-            if self.root.is_some() {
-                self.on_root_message(m)?;
-            } else {
-                self.on_receiver_message(m)?;
+            let st = self.recv.as_mut().expect("receiver");
+            st.sender.flush().map_err(|e| link_err(&self.name, "sending to the sender", e))?;
+            match st.sender.try_recv().map_err(|e| link_err(&self.name, "refitting", e))? {
+                Some(f) => self.on_receiver_message(&f)?,
+                None => break,
             }
         }
-        if self.recv.is_some() {
-            self.issue_ready()?;
-        }
-        Ok(())
+        self.issue_ready()
     }
 
-    fn on_root_message(&mut self, m: Vec<Bytes>) -> Result<(), TransportError> {
-        let (id, body) = split_identity(m, &self.name)?;
+    fn on_root_message(&mut self, from: usize, m: &[u8]) -> Result<(), TransportError> {
         let root = self.root.as_mut().expect("root");
-        let peer = root.receivers.iter().find(|(i, _)| *i == id).map(|(_, p)| p.clone()).unwrap_or_else(|| "?".into());
-        match (body.first().map(|b| b.as_ref()), body.get(1)) {
-            (Some(b"A"), Some(k)) if k.len() == 4 => {
-                *root.acks.entry(u32::from_le_bytes(k[..4].try_into().expect("4 bytes"))).or_insert(0) += 1;
+        match (m.first(), m.get(1..)) {
+            (Some(b'A'), Some(k)) if k.len() == 4 => {
+                *root.acks.entry(u32::from_le_bytes(k.try_into().expect("4 bytes"))).or_insert(0) += 1;
             }
-            (Some(b"D"), _) => root.dones += 1,
-            (Some(b"H"), _) => {} // a late duplicate hello
-            _ => return Err(TransportError::Protocol { peer, detail: "an unknown message to the sender".into() }),
+            (Some(b'D'), _) => root.dones += 1,
+            _ => {
+                return Err(TransportError::Protocol {
+                    peer: root.receivers[from].name.clone(),
+                    detail: "an unknown message to the sender".into(),
+                });
+            }
         }
         Ok(())
     }
 
-    fn on_receiver_message(&mut self, m: Vec<Bytes>) -> Result<(), TransportError> {
+    fn on_receiver_message(&mut self, m: &[u8]) -> Result<(), TransportError> {
         let peer = self.name.clone();
         let bad = |detail: &str| TransportError::Protocol { peer: peer.clone(), detail: detail.into() };
         let st = self.recv.as_mut().expect("receiver");
-        match m.first().map(|b| b.as_ref()) {
-            Some(b"B") => {
-                let v = m.get(1).filter(|b| b.len() == 8).ok_or_else(|| bad("a malformed begin"))?;
-                st.begun = Some(u64::from_le_bytes(v[..8].try_into().expect("8 bytes")));
+        let (kind, body) = m.split_first().ok_or_else(|| bad("an empty message"))?;
+        match kind {
+            b'B' => {
+                let v = body.try_into().map_err(|_| bad("a malformed begin"))?;
+                st.begun = Some(u64::from_le_bytes(v));
             }
-            Some(b"N") => {
-                let key = m.get(1).filter(|b| b.len() == 4).ok_or_else(|| bad("a malformed handle key"))?;
-                let h = m.get(2).filter(|b| b.len() == 64).ok_or_else(|| bad("a malformed IPC handle"))?;
-                let key = u32::from_le_bytes(key[..4].try_into().expect("4 bytes"));
+            b'N' => {
+                if body.len() != 4 + 64 {
+                    return Err(bad("a malformed IPC handle"));
+                }
+                let (key, h) = body.split_at(4);
+                let key = u32::from_le_bytes(key.try_into().expect("4 bytes"));
                 let handle = IpcHandle(h[..64].try_into().expect("64 bytes"));
                 if let std::collections::hash_map::Entry::Vacant(e) = st.mapped.entry(key) {
                     // Opened once and cached for every later refit.
@@ -390,9 +345,11 @@ impl IpcTransport {
                     );
                 }
             }
-            Some(b"K") => {
-                let k = m.get(1).filter(|b| b.len() == 4).ok_or_else(|| bad("a malformed bucket index"))?;
-                let list = m.get(2).filter(|b| b.len() % 20 == 0).ok_or_else(|| bad("a malformed piece list"))?;
+            b'K' => {
+                if body.len() < 4 || (body.len() - 4) % 20 != 0 {
+                    return Err(bad("a malformed piece list"));
+                }
+                let (k, list) = body.split_at(4);
                 let pieces = list
                     .chunks_exact(20)
                     .map(|c| {
@@ -403,7 +360,7 @@ impl IpcTransport {
                         )
                     })
                     .collect();
-                st.announced.insert(u32::from_le_bytes(k[..4].try_into().expect("4 bytes")), pieces);
+                st.announced.insert(u32::from_le_bytes(k.try_into().expect("4 bytes")), pieces);
             }
             _ => return Err(bad("an unknown message to a receiver")),
         }
@@ -470,7 +427,10 @@ impl IpcTransport {
 
 /// Pieces below this size are copied by one batched kernel launch per bucket on one GPU: on an
 /// H100 the kernel moved a Qwen3-0.6B refit (310 tensors) 1.4× faster than a driver copy per
-/// tensor, and Llama-3-8B's gigabyte tensors 3% slower (docs/benchmarks.md).
+/// tensor, and Llama-3-8B's gigabyte tensors 3% slower (docs/benchmarks.md). Checked again on
+/// Llama-3-8B, the receiver's copies: 16 MiB 10.88–10.94 ms; 1 MiB 10.99–11.00 and driver
+/// copies only 11.06–11.07 (one call); 64 MiB 10.99–11.00, 128 MiB 11.58–11.59 and everything
+/// batched 11.68 (another).
 const BATCH_BELOW: u64 = 16 << 20;
 
 /// The GPU whose copy engines should move a sender's bytes to `gpu`: the sender's own (copies
@@ -495,115 +455,114 @@ fn st_mapped(st: &ReceiverState, key: u32) -> Option<CUdeviceptr> {
     st.mapped.get(&key).map(|m| m.ptr())
 }
 
-/// Handshake magic of the CUDA IPC control channel (the [`crate::net`] handshake, over ZMQ).
+/// Handshake magic of the CUDA IPC control channel (the [`crate::net`] handshake, on its Unix
+/// socket).
 pub const IPC_MAGIC: [u8; 4] = *b"RIPC";
-const IPC_VERSION: u16 = 1;
+/// 2: frames on a Unix stream socket instead of zeromq messages.
+const IPC_VERSION: u16 = 2;
 
-/// The sender's side of the handshake: until every one of `receivers` has joined, answers each
-/// `H` hello (token checked) with a `C` challenge, and each `P` proof that checks out — from an
-/// expected receiver with the same plan — with a `W` welcome naming GPU `ordinal`; anything else
-/// gets `R` and the reason, is counted in `auth`'s refusals and changes nothing. Returns the
-/// receivers' ZMQ identities and names.
+/// The socket path of an `ipc://` endpoint.
+fn socket_path(endpoint: &str) -> Result<&str, TransportError> {
+    endpoint
+        .strip_prefix("ipc://")
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| TransportError::Config(format!("the CUDA IPC endpoint {endpoint:?} is not ipc://<socket path>")))
+}
+
+fn io_err(peer: &str, what: &str, e: std::io::Error) -> TransportError {
+    TransportError::Io { peer: peer.into(), what: what.into(), detail: e.to_string() }
+}
+
+/// A control link's failure: a closed connection, a malformed frame or another I/O error.
+fn link_err(peer: &str, what: &str, e: std::io::Error) -> TransportError {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::BrokenPipe
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::WriteZero => TransportError::Closed { peer: peer.into(), what: what.into() },
+        std::io::ErrorKind::InvalidData => TransportError::Protocol { peer: peer.into(), detail: e.to_string() },
+        _ => io_err(peer, what, e),
+    }
+}
+
+/// The sender's side of the handshake: accepts connections on `listener` until every one of
+/// `receivers` has joined, each through the [`crate::net`] handshake (token, key proof both ways)
+/// and then the checks of its hello — an expected receiver with the same plan — answered by a
+/// welcome frame naming GPU `ordinal`. Anything else is refused with the reason, counted in
+/// `auth`'s refusals and changes nothing. Handshakes run side by side, so a connection that never
+/// speaks holds up nobody. A receiver that joins again (it reconnected) replaces its old link.
 async fn accept_receivers(
     name: &str,
-    channel: &mut Channel,
+    listener: &UnixListener,
     receivers: &[String],
     identity: &PlanIdentity,
     auth: &JobAuth,
     ordinal: u32,
     deadline: Instant,
-) -> Result<Vec<(Bytes, String)>, TransportError> {
+) -> Result<Vec<Peer>, TransportError> {
     let start = Instant::now();
-    let mut joined: Vec<(Bytes, String)> = Vec::new();
-    let mut pending: HashMap<Bytes, (net::Hello, net::ServerChallenge)> = HashMap::new();
-    while joined.len() < receivers.len() {
-        let m = loop {
-            match tokio::time::timeout_at(deadline, channel.inbound.recv()).await {
-                Ok(Some(Inbound::Message(m))) => break m,
-                // A peer that leaves before it joined (refused, or never speaking) is no
-                // receiver of ours: keep waiting for those.
-                Ok(Some(Inbound::Disconnected(why))) => tracing::debug!(%why, "a peer left the IPC handshake"),
-                Ok(Some(Inbound::Lost(why))) => {
-                    return Err(TransportError::Closed {
-                        peer: name.into(),
-                        what: format!("waiting for IPC receivers ({why})"),
-                    });
-                }
-                Ok(None) => {
-                    return Err(TransportError::Closed { peer: name.into(), what: "waiting for IPC receivers".into() });
-                }
-                Err(_) => {
-                    return Err(TransportError::Timeout {
-                        peer: name.into(),
-                        what: format!("waiting for IPC receivers ({} of {} joined)", joined.len(), receivers.len()),
-                        secs: start.elapsed().as_secs_f64(),
-                    });
-                }
-            }
-        };
-        let (id, body) = split_identity(m, name)?;
-        let verdict = match (body.first().map(|b| b.as_ref()), body.get(1)) {
-            (Some(b"H"), Some(hello)) if body.len() == 2 => match auth.open_hello(hello, IPC_MAGIC, IPC_VERSION) {
-                Ok((hello, challenge)) => {
-                    let c = msg(vec![id.clone(), Bytes::from_static(b"C"), Bytes::copy_from_slice(challenge.bytes())]);
-                    let _ = channel.out.send(c);
-                    pending.insert(id, (hello, challenge));
-                    continue;
-                }
-                Err(reason) => Err(reason),
+    let mut joined: Vec<Peer> = Vec::new();
+    let mut handshakes = FuturesUnordered::new();
+    while receivers.iter().any(|r| !joined.iter().any(|p| &p.name == r)) {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => handshakes.push(admit(stream, receivers, identity, auth, ordinal, deadline)),
+                Err(e) if net::is_transient_accept_error(&e) => tracing::debug!(error = %e, "a failed IPC accept"),
+                Err(e) => return Err(io_err(name, "accepting IPC receivers", e)),
             },
-            (Some(b"P"), Some(proof)) => match pending.remove(&id) {
-                None => Err("a proof without a hello".to_string()),
-                Some((hello, challenge)) => challenge.verify(auth, proof).and_then(|()| {
-                    let peer = hello.peer;
-                    let checked = if !receivers.contains(&peer) {
-                        Err(format!("`{peer}` is not a receiver of this sender"))
-                    } else {
-                        match PlanIdentity::decode(&hello.extra) {
-                            Some(theirs) if &theirs == identity => Ok(peer.clone()),
-                            Some(theirs) => Err(identity.mismatch("the sender", &theirs, &peer)),
-                            None => Err("malformed plan identity".into()),
-                        }
-                    };
-                    checked.inspect_err(|_| auth.refusals().count(IPC_MAGIC))
-                }),
-            },
-            (Some(b"R"), reason) => {
-                // The receiver refused this sender (it counted that); forget its hello.
-                pending.remove(&id);
-                let reason = reason.map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default();
-                tracing::warn!(%reason, "an IPC receiver refused this sender");
-                continue;
-            }
-            _ => {
-                auth.refusals().count(IPC_MAGIC);
-                Err("expected a hello".to_string())
-            }
-        };
-        match verdict {
-            Ok(peer) => {
-                // The welcome names this GPU, so a receiver on another GPU can push from it.
-                let welcome =
-                    msg(vec![id.clone(), Bytes::from_static(b"W"), Bytes::copy_from_slice(&ordinal.to_le_bytes())]);
-                let _ = channel.out.send(welcome);
-                if !joined.iter().any(|(_, p)| p == &peer) {
-                    joined.push((id, peer));
+            Some(admitted) = handshakes.next(), if !handshakes.is_empty() => match admitted {
+                Ok(peer) => {
+                    joined.retain(|p: &Peer| p.name != peer.name);
+                    joined.push(peer);
                 }
-            }
-            Err(reason) => {
-                tracing::warn!(%reason, "refused an IPC receiver");
-                let _ = channel.out.send(msg(vec![id, Bytes::from_static(b"R"), Bytes::from(reason)]));
+                Err(e) => tracing::warn!(error = %e, "refused an IPC receiver"),
+            },
+            () = tokio::time::sleep_until(deadline) => {
+                return Err(TransportError::Timeout {
+                    peer: name.into(),
+                    what: format!("waiting for IPC receivers ({} of {} joined)", joined.len(), receivers.len()),
+                    secs: start.elapsed().as_secs_f64(),
+                });
             }
         }
     }
     Ok(joined)
 }
 
-/// A receiver's side of the handshake: `H` hello, then — once the sender's `C` challenge proves
-/// it holds the key — `P` proof; returns the sender's GPU from its `W` welcome. A sender without
-/// the key gets `R` and the reason.
+/// One connection's handshake on the sender's side (see [`accept_receivers`]).
+async fn admit(
+    mut stream: UnixStream,
+    receivers: &[String],
+    identity: &PlanIdentity,
+    auth: &JobAuth,
+    ordinal: u32,
+    deadline: Instant,
+) -> Result<Peer, TransportError> {
+    let peer = "a CUDA IPC receiver";
+    let hello = net::accept_hello_on(&mut stream, peer, auth, IPC_MAGIC, IPC_VERSION, deadline, |h| {
+        if !receivers.contains(&h.peer) {
+            return Err(format!("`{}` is not a receiver of this sender", h.peer));
+        }
+        match PlanIdentity::decode(&h.extra) {
+            Some(theirs) if &theirs == identity => Ok(()),
+            Some(theirs) => Err(identity.mismatch("the sender", &theirs, &h.peer)),
+            None => Err("malformed plan identity".into()),
+        }
+    })
+    .await?;
+    // The welcome names this GPU, so a receiver on another GPU can push from it.
+    net::until(deadline, "welcoming", &hello.peer, async {
+        net::write_frame(&mut stream, &ordinal.to_le_bytes()).await.map_err(|e| net::NetError::io("welcoming", peer, e))
+    })
+    .await?;
+    let link = UnixLink::new(stream, MAX_FRAME).map_err(|e| io_err(&hello.peer, "taking over the connection", e))?;
+    Ok(Peer { name: hello.peer, link })
+}
+
+/// A receiver's side of the handshake: the [`crate::net`] handshake as `me` with this plan's
+/// identity (a sender without the epoch's key is refused), then the sender's welcome: its GPU.
 async fn say_hello(
-    channel: &mut Channel,
+    stream: &mut UnixStream,
     me: &str,
     endpoint: &str,
     identity: &PlanIdentity,
@@ -612,64 +571,15 @@ async fn say_hello(
 ) -> Result<Option<u32>, TransportError> {
     let hello =
         net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: me.into(), extra: identity.encode().to_vec() };
-    let ours = auth
-        .client_hello(&hello)
-        .map_err(|e| TransportError::Refused { peer: endpoint.into(), reason: e.to_string() })?;
-    let send = |channel: &mut Channel, frames: Vec<Bytes>| {
-        channel
-            .out
-            .send(msg(frames))
-            .map_err(|_| TransportError::Closed { peer: endpoint.into(), what: "saying hello".into() })
-    };
-    let refused = |answer: &[Bytes]| TransportError::Refused {
-        peer: endpoint.into(),
-        reason: answer.get(1).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default(),
-    };
-    let unexpected =
-        || TransportError::Protocol { peer: endpoint.into(), detail: "an unexpected answer to hello".into() };
-    send(channel, vec![Bytes::from_static(b"H"), Bytes::copy_from_slice(ours.bytes())])?;
-    let answer = recv(channel, deadline, endpoint, "waiting for the sender's challenge").await?;
-    match answer.first().map(|b| b.as_ref()) {
-        Some(b"C") => {}
-        Some(b"R") => return Err(refused(&answer)),
-        _ => return Err(unexpected()),
-    }
-    let proof = match ours.answer(auth, answer.get(1).map(|b| b.as_ref()).unwrap_or_default()) {
-        Ok(p) => p,
-        Err(reason) => {
-            let _ = send(channel, vec![Bytes::from_static(b"R"), Bytes::from(reason.clone())]);
-            return Err(TransportError::Refused { peer: endpoint.into(), reason });
-        }
-    };
-    send(channel, vec![Bytes::from_static(b"P"), Bytes::copy_from_slice(&proof)])?;
-    let answer = recv(channel, deadline, endpoint, "waiting for the sender's welcome").await?;
-    match answer.first().map(|b| b.as_ref()) {
-        Some(b"W") => Ok(answer.get(1).filter(|b| b.len() == 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
-        Some(b"R") => Err(refused(&answer)),
-        _ => Err(unexpected()),
-    }
-}
-
-fn split_identity(mut m: Vec<Bytes>, name: &str) -> Result<(Bytes, Vec<Bytes>), TransportError> {
-    if m.is_empty() {
-        return Err(TransportError::Protocol { peer: name.into(), detail: "an empty message".into() });
-    }
-    let id = m.remove(0);
-    Ok((id, m))
-}
-
-async fn recv(channel: &mut Channel, deadline: Instant, peer: &str, what: &str) -> Result<Vec<Bytes>, TransportError> {
-    let start = Instant::now();
-    match tokio::time::timeout_at(deadline, channel.inbound.recv()).await {
-        Ok(Some(Inbound::Message(m))) => Ok(m),
-        Ok(Some(Inbound::Lost(why) | Inbound::Disconnected(why))) => {
-            Err(TransportError::Closed { peer: peer.into(), what: format!("{what} ({why})") })
-        }
-        Ok(None) => Err(TransportError::Closed { peer: peer.into(), what: what.into() }),
-        Err(_) => {
-            Err(TransportError::Timeout { peer: peer.into(), what: what.into(), secs: start.elapsed().as_secs_f64() })
-        }
-    }
+    net::send_hello(stream, auth, &hello, deadline, endpoint).await?;
+    let mut welcome = Vec::new();
+    net::until(deadline, "waiting for the sender's welcome", endpoint, async {
+        net::read_frame(stream, &mut welcome, 64)
+            .await
+            .map_err(|e| net::NetError::io("waiting for the sender's welcome", endpoint, e))
+    })
+    .await?;
+    Ok(welcome.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))))
 }
 
 impl Transport for IpcTransport {
@@ -706,7 +616,7 @@ impl Transport for IpcTransport {
                     .context()
                     .synchronize()
                     .map_err(|e| gpu_err("finishing the update", GpuError::driver("", e)))?;
-                self.send_all(vec![Bytes::from_static(b"B"), Bytes::copy_from_slice(&v.to_le_bytes())])?;
+                self.send_all(&[b"B", &v.to_le_bytes()])?;
                 Ok(v)
             }
             None => {
@@ -723,21 +633,9 @@ impl Transport for IpcTransport {
                             secs: start.elapsed().as_secs_f64(),
                         });
                     }
-                    match tokio::time::timeout_at(deadline, self.channel.inbound.recv()).await {
-                        Ok(Some(Inbound::Message(m))) => self.on_receiver_message(m)?,
-                        Ok(Some(Inbound::Lost(why) | Inbound::Disconnected(why))) => {
-                            return Err(TransportError::Closed {
-                                peer: self.name.clone(),
-                                what: format!("waiting for the refit to start ({why})"),
-                            });
-                        }
-                        Ok(None) => {
-                            return Err(TransportError::Closed {
-                                peer: self.name.clone(),
-                                what: "waiting for the refit to start".into(),
-                            });
-                        }
-                        Err(_) => {}
+                    let sender = &self.recv.as_ref().expect("receiver").sender;
+                    if let Ok(Err(e)) = tokio::time::timeout_at(deadline, sender.readable()).await {
+                        return Err(link_err(&self.name, "waiting for the refit to start", e));
                     }
                 }
             }
@@ -774,11 +672,7 @@ impl Transport for IpcTransport {
                     let key = root.next_key;
                     root.next_key += 1;
                     root.exported.insert(base, key);
-                    self.send_all(vec![
-                        Bytes::from_static(b"N"),
-                        Bytes::copy_from_slice(&key.to_le_bytes()),
-                        Bytes::copy_from_slice(&handle.0),
-                    ])?;
+                    self.send_all(&[b"N", &key.to_le_bytes(), &handle.0])?;
                     key
                 }
             };
@@ -786,11 +680,7 @@ impl Transport for IpcTransport {
             list.extend_from_slice(&(span.addr - base).to_le_bytes());
             list.extend_from_slice(&span.len.to_le_bytes());
         }
-        self.send_all(vec![
-            Bytes::from_static(b"K"),
-            Bytes::copy_from_slice(&bucket.to_le_bytes()),
-            Bytes::from(list),
-        ])?;
+        self.send_all(&[b"K", &bucket.to_le_bytes(), &list])?;
         Ok(IpcTicket::Bucket(bucket))
     }
 
@@ -849,7 +739,7 @@ impl Transport for IpcTransport {
                     }
                     if done {
                         self.recv.as_mut().expect("receiver").issued.remove(&k);
-                        self.send_root(vec![Bytes::from_static(b"A"), Bytes::copy_from_slice(&k.to_le_bytes())])?;
+                        self.send_root(&[b"A", &k.to_le_bytes()])?;
                         return Ok(());
                     }
                 }
@@ -881,7 +771,18 @@ impl Transport for IpcTransport {
                 tokio::task::yield_now().await;
             }
         } else {
-            self.send_root(vec![Bytes::from_static(b"D"), Bytes::copy_from_slice(&version.to_le_bytes())])
+            self.send_root(&[b"D", &version.to_le_bytes()])?;
+            // Written before returning: the sender's `end` waits for it.
+            let st = self.recv.as_mut().expect("receiver");
+            let flushed = tokio::time::timeout_at(deadline, st.sender.flushed()).await;
+            match flushed {
+                Ok(r) => r.map_err(|e| link_err(&self.name, "confirming the refit", e)),
+                Err(_) => Err(TransportError::Timeout {
+                    peer: self.name.clone(),
+                    what: "confirming the refit (the sender does not read)".into(),
+                    secs: 0.0,
+                }),
+            }
         }
     }
 
@@ -916,12 +817,6 @@ impl Transport for IpcTransport {
     }
 }
 
-impl Drop for IpcTransport {
-    fn drop(&mut self) {
-        self.channel.task.abort();
-    }
-}
-
 fn export(gpu: &Gpu, base: CUdeviceptr) -> Result<IpcHandle, GpuError> {
     gpu.bind()?;
     let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
@@ -936,79 +831,68 @@ fn export(gpu: &Gpu, base: CUdeviceptr) -> Result<IpcHandle, GpuError> {
 
 #[cfg(test)]
 mod tests {
-    //! The control channel's handshake over real ZMQ `ipc://` sockets, without a GPU: the same
-    //! attackers as `tests/auth.rs` on the TCP ports, each refused, counted and left out.
+    //! The control channel's handshake over real Unix sockets, without a GPU: the same attackers
+    //! as `tests/auth.rs` on the TCP ports, each refused, counted and left out.
     use super::*;
     use crate::refit::plan::RefitPlan;
     use rlplane_api::model::{DType, TensorSpec, TpSplit};
-
-    const CLIENT_LABEL: &[u8] = b"rlplane handshake v1: connecting side\0";
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn identity() -> PlanIdentity {
         let m = vec![TensorSpec::with_split("w", DType::Bf16, vec![64, 64], TpSplit::Rows)];
         RefitPlan::new(&m, 4096, 256).unwrap().identity()
     }
 
-    fn proof_under(key: &[u8; 32], hello: &[u8], server_nonce: &[u8]) -> Bytes {
-        let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
-        let mut ctx = ring::hmac::Context::with_key(&k);
-        for part in [CLIENT_LABEL, &(hello.len() as u32).to_le_bytes(), hello, server_nonce] {
-            ctx.update(part);
-        }
-        Bytes::copy_from_slice(ctx.sign().as_ref())
-    }
-
     fn deadline() -> Instant {
         Instant::now() + Duration::from_secs(20)
     }
 
-    async fn dealer(endpoint: &str) -> Channel {
-        let mut socket = DealerSocket::new();
-        socket.connect(endpoint).await.unwrap();
-        spawn_socket(socket)
+    fn hello(peer: &str, id: &PlanIdentity) -> net::Hello {
+        net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: peer.into(), extra: id.encode().to_vec() }
     }
 
-    fn send(channel: &Channel, frames: Vec<Bytes>) {
-        channel.out.send(msg(frames)).unwrap();
+    /// A sender task accepting `receivers` on a fresh socket under `auth`; returns its path and
+    /// the names it let join.
+    fn sender(
+        dir: &tempfile::TempDir,
+        receivers: &[&str],
+        auth: &JobAuth,
+    ) -> (String, tokio::task::JoinHandle<Result<Vec<String>, TransportError>>) {
+        let path = dir.path().join("refit.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (receivers, auth) = (receivers.iter().map(|r| r.to_string()).collect::<Vec<_>>(), auth.clone());
+        let task = tokio::spawn(async move {
+            let joined =
+                accept_receivers("trainer-0", &listener, &receivers, &identity(), &auth, 3, deadline()).await?;
+            Ok(joined.into_iter().map(|p| p.name).collect())
+        });
+        (path.display().to_string(), task)
     }
 
-    /// Says `hello` (bytes), answers a challenge with `proof(server_nonce)`; returns the
-    /// sender's final answer.
-    async fn attempt(endpoint: &str, hello: &[u8], proof: impl FnOnce(&[u8]) -> Bytes) -> Vec<Bytes> {
-        let mut c = dealer(endpoint).await;
-        send(&c, vec![Bytes::from_static(b"H"), Bytes::copy_from_slice(hello)]);
-        let answer = recv(&mut c, deadline(), "sender", "the challenge").await.unwrap();
-        if answer[0].as_ref() != b"C" {
-            return answer;
+    /// A handshake as `hello` under `auth`: the refusal's reason, or the welcome.
+    async fn attempt(path: &str, auth: &JobAuth, hello: &net::Hello) -> Result<Option<u32>, String> {
+        let mut s = UnixStream::connect(path).await.unwrap();
+        match net::send_hello(&mut s, auth, hello, deadline(), "sender").await {
+            Ok(()) => {
+                let mut w = Vec::new();
+                net::read_frame(&mut s, &mut w, 64).await.unwrap();
+                Ok(w.get(..4).map(|b| u32::from_le_bytes(b.try_into().unwrap())))
+            }
+            Err(e) => Err(e.to_string()),
         }
-        send(&c, vec![Bytes::from_static(b"P"), proof(&answer[1][..net::NONCE_LEN])]);
-        recv(&mut c, deadline(), "sender", "the verdict").await.unwrap()
-    }
-
-    fn refused(answer: &[Bytes]) -> String {
-        assert_eq!(answer[0].as_ref(), b"R", "not refused: {answer:?}");
-        String::from_utf8_lossy(&answer[1]).into_owned()
     }
 
     #[tokio::test]
     async fn the_ipc_sender_admits_only_the_key_holder() {
         let dir = tempfile::tempdir().unwrap();
-        let endpoint = format!("ipc://{}/refit.sock", dir.path().display());
         let id = identity();
         let key = JobAuth::generate_key().unwrap();
         let auth = JobAuth::new(&rlplane_api::job_token("uid", 1), &key);
         let (old_token, old_key) = (rlplane_api::job_token("uid", 0), JobAuth::generate_key().unwrap());
-        let mut router = RouterSocket::new();
-        router.bind(&endpoint).await.unwrap();
-        let mut channel = spawn_socket(router);
-        let server_auth = auth.clone();
-        let sender = tokio::spawn(async move {
-            let r =
-                accept_receivers("trainer-0", &mut channel, &["gen-0".into()], &id, &server_auth, 3, deadline()).await;
-            r.map(|joined| joined.into_iter().map(|(_, name)| name).collect::<Vec<_>>())
-        });
-        let hello =
-            net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: "gen-0".into(), extra: id.encode().to_vec() };
+        let (path, sender) = sender(&dir, &["gen-0"], &auth);
+
+        // A stranger that connects and never speaks holds up nobody.
+        let _silent = UnixStream::connect(&path).await.unwrap();
 
         // The epoch's token without its key; the previous epoch's token and key; the token with
         // the previous key.
@@ -1017,54 +901,77 @@ mod tests {
             (old_token, old_key),
             (auth.token().to_string(), old_key),
         ] {
-            let ours = JobAuth::new(&token, &key).client_hello(&hello).unwrap();
-            let bytes = ours.bytes().to_vec();
-            let reason = refused(&attempt(&endpoint, &bytes, |nonce| proof_under(&key, &bytes, nonce)).await);
+            let reason = attempt(&path, &JobAuth::new(&token, &key), &hello("gen-0", &id)).await.unwrap_err();
             assert!(reason.contains("did not prove it holds") || reason.contains("another job or epoch"), "{reason}");
         }
-        // A replay of a valid handshake recorded against another sender of this epoch.
-        let ours = auth.client_hello(&hello).unwrap();
-        let (_, challenge) = auth.open_hello(ours.bytes(), IPC_MAGIC, IPC_VERSION).unwrap();
-        let recorded = Bytes::copy_from_slice(&ours.answer(&auth, challenge.bytes()).unwrap());
-        let reason = refused(&attempt(&endpoint, ours.bytes(), |_| recorded).await);
-        assert!(reason.contains("replayed handshake"), "{reason}");
+        // A replay: a valid hello, answered with a proof recorded for another challenge.
+        let ours = auth.client_hello(&hello("gen-0", &id)).unwrap();
+        let (_, other) = auth.open_hello(ours.bytes(), IPC_MAGIC, IPC_VERSION).unwrap();
+        let recorded = ours.answer(&auth, other.bytes()).unwrap();
+        let mut s = UnixStream::connect(&path).await.unwrap();
+        net::write_frame(&mut s, ours.bytes()).await.unwrap();
+        let mut challenge = [0u8; 1 + net::CHALLENGE_LEN];
+        s.read_exact(&mut challenge).await.unwrap();
+        assert_eq!(challenge[0], net::HELLO_CHALLENGE);
+        let mut proof = vec![net::HELLO_OK];
+        proof.extend_from_slice(&recorded);
+        s.write_all(&proof).await.unwrap();
+        let mut verdict = [0u8; 1];
+        s.read_exact(&mut verdict).await.unwrap();
+        assert_eq!(verdict[0], net::HELLO_REFUSED, "a replayed proof was accepted");
         // Anything but a hello.
-        let mut c = dealer(&endpoint).await;
-        send(&c, vec![Bytes::from_static(b"B"), Bytes::from_static(&[0; 8])]);
-        refused(&recv(&mut c, deadline(), "sender", "a refusal").await.unwrap());
+        let mut s = UnixStream::connect(&path).await.unwrap();
+        net::write_frame(&mut s, b"B\0\0\0\0\0\0\0\0").await.unwrap();
+        s.read_exact(&mut verdict).await.unwrap();
+        assert_eq!(verdict[0], net::HELLO_REFUSED);
+        // The key holder, under a name that is no receiver of this sender, or with another plan.
+        let reason = attempt(&path, &auth, &hello("gen-9", &id)).await.unwrap_err();
+        assert!(reason.contains("`gen-9` is not a receiver of this sender"), "{reason}");
+        let m = vec![TensorSpec::with_split("w", DType::Bf16, vec![64, 128], TpSplit::Rows)];
+        let other_plan = RefitPlan::new(&m, 4096, 256).unwrap().identity();
+        let reason = attempt(&path, &auth, &hello("gen-0", &other_plan)).await.unwrap_err();
+        assert!(reason.contains("plan"), "{reason}");
 
-        // Every one was counted: three forged proofs, the replay and the stray message.
+        // Counted by the sender: the old epoch's token, the replay, the stray message, the
+        // stranger's name and the other plan. (A peer with the right token and another key
+        // refuses the sender itself, whose proof it cannot check, and counts that on its side.)
         assert_eq!(auth.refusals().snapshot(), vec![("RIPC".to_string(), 5)]);
         assert!(!sender.is_finished(), "no attacker took gen-0's place");
 
         // The key holder joins, and learns the sender's GPU.
-        let mut c = dealer(&endpoint).await;
-        let gpu = say_hello(&mut c, "gen-0", &endpoint, &id, &auth, deadline()).await.unwrap();
-        assert_eq!(gpu, Some(3));
+        assert_eq!(attempt(&path, &auth, &hello("gen-0", &id)).await, Ok(Some(3)));
         assert_eq!(sender.await.unwrap().unwrap(), vec!["gen-0"]);
     }
 
     #[tokio::test]
     async fn a_receiver_refuses_a_sender_without_the_key() {
         let dir = tempfile::tempdir().unwrap();
-        let endpoint = format!("ipc://{}/refit.sock", dir.path().display());
         let id = identity();
         let token = rlplane_api::job_token("uid", 1);
         let (auth, impostor) = (
             JobAuth::new(&token, &JobAuth::generate_key().unwrap()),
             JobAuth::new(&token, &JobAuth::generate_key().unwrap()),
         );
-        let mut router = RouterSocket::new();
-        router.bind(&endpoint).await.unwrap();
-        let mut channel = spawn_socket(router);
-        let sender = tokio::spawn(async move {
-            accept_receivers("trainer-0", &mut channel, &["gen-0".into()], &id, &impostor, 0, deadline()).await
-        });
-        let mut c = dealer(&endpoint).await;
-        let err = say_hello(&mut c, "gen-0", &endpoint, &id, &auth, deadline()).await.unwrap_err().to_string();
+        let (path, sender) = sender(&dir, &["gen-0"], &impostor);
+        let mut s = UnixStream::connect(&path).await.unwrap();
+        let err = say_hello(&mut s, "gen-0", &path, &id, &auth, deadline()).await.unwrap_err().to_string();
         assert!(err.contains("the listener did not prove it holds this job epoch's key"), "{err}");
         assert_eq!(auth.refusals().total(), 1);
         assert!(!sender.is_finished(), "the impostor got no receiver");
         sender.abort();
+    }
+
+    #[tokio::test]
+    async fn a_receiver_that_joins_again_replaces_its_link_and_a_bad_endpoint_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = identity();
+        let auth = JobAuth::new(&rlplane_api::job_token("uid", 1), &JobAuth::generate_key().unwrap());
+        let (path, sender) = sender(&dir, &["gen-0", "gen-1"], &auth);
+        for peer in ["gen-0", "gen-0", "gen-1"] {
+            assert_eq!(attempt(&path, &auth, &hello(peer, &id)).await, Ok(Some(3)));
+        }
+        assert_eq!(sender.await.unwrap().unwrap(), vec!["gen-0", "gen-1"]);
+        let e = socket_path("tcp://10.0.0.1:5").unwrap_err().to_string();
+        assert!(e.contains("is not ipc://<socket path>"), "{e}");
     }
 }
