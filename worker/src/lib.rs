@@ -8,6 +8,8 @@ pub mod control;
 pub mod coordinator;
 pub mod digest;
 pub mod gpu;
+pub mod hot_wait;
+pub mod link;
 pub mod local;
 pub mod metrics;
 pub mod net;

@@ -6,7 +6,7 @@
 //! Control goes over a Unix stream socket: the sender listens on a path in the pod's shared
 //! emptyDir (the plan's `ipc://` endpoint); each receiver connects and passes the [`crate::net`]
 //! handshake (token, key proof both ways, plan identity in the hello); the sender's welcome names
-//! its GPU. Then length-prefixed frames ([`UnixLink`]: written and read by non-blocking system
+//! its GPU. Then length-prefixed frames ([`FrameLink`]: written and read by non-blocking system
 //! calls on the refit's own task), the first byte saying what it is: `B` begin (version);
 //! `N` new handle (key, 64-byte CUDA IPC handle of an allocation, exported once, opened once and
 //! cached by the receiver); `K` bucket (its pieces as (handle key, offset, length)); `A` bucket
@@ -29,10 +29,10 @@ use futures::stream::FuturesUnordered;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::time::Instant;
 
-use super::unix_link::UnixLink;
 use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async};
+use crate::link::FrameLink;
 use crate::net::{self, JobAuth};
 use crate::refit::memory::{Copy2d, MemorySpace};
 use crate::refit::plan::{PlanIdentity, RefitPlan};
@@ -62,7 +62,7 @@ pub enum IpcTicket {
 /// A joined receiver, as the sender sees it.
 struct Peer {
     name: String,
-    link: UnixLink,
+    link: FrameLink,
 }
 
 /// The largest control frame: a bucket's piece list is 20 bytes a piece.
@@ -82,7 +82,7 @@ struct RootState {
 
 struct ReceiverState {
     /// The connection to the sender.
-    sender: UnixLink,
+    sender: FrameLink,
     /// Opened allocations by key.
     mapped: HashMap<u32, IpcMapping>,
     /// Source pieces the sender announced, by bucket.
@@ -204,7 +204,8 @@ impl IpcTransport {
         let sender_gpu = say_hello(&mut stream, me, endpoint, &plan.identity(), auth, deadline).await?;
         let copier = copier_for(gpu, sender_gpu);
         let state = ReceiverState {
-            sender: UnixLink::new(stream, MAX_FRAME).map_err(|e| io_err(endpoint, "taking over the connection", e))?,
+            sender: FrameLink::unix(stream, MAX_FRAME)
+                .map_err(|e| io_err(endpoint, "taking over the connection", e))?,
             mapped: HashMap::new(),
             announced: HashMap::new(),
             submitted: VecDeque::new(),
@@ -555,7 +556,7 @@ async fn admit(
         net::write_frame(&mut stream, &ordinal.to_le_bytes()).await.map_err(|e| net::NetError::io("welcoming", peer, e))
     })
     .await?;
-    let link = UnixLink::new(stream, MAX_FRAME).map_err(|e| io_err(&hello.peer, "taking over the connection", e))?;
+    let link = FrameLink::unix(stream, MAX_FRAME).map_err(|e| io_err(&hello.peer, "taking over the connection", e))?;
     Ok(Peer { name: hello.peer, link })
 }
 

@@ -20,7 +20,6 @@
 pub mod cuda_ipc;
 pub mod nccl;
 pub mod tcp;
-pub mod unix_link;
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,21 +1,59 @@
-//! Frames over a Unix stream socket, read and written by plain non-blocking system calls.
+//! Frames over a stream socket (Unix or TCP), read and written by plain non-blocking system calls.
 //!
-//! A frame sent is in the kernel when [`UnixLink::send`] returns — no hand-off to another task —
+//! A frame sent is in the kernel when [`FrameLink::send`] returns — no hand-off to another task —
 //! and a caller polling for frames reads the socket itself, so a receiver that is already running
-//! sees a frame as soon as it lands, without the I/O driver's thread having to wake first. The
-//! CUDA IPC transport's control channel uses it: its start and end messages are on the refit's
-//! critical path (a zeromq channel through a socket task took 0.2–0.3 ms per message there,
-//! docs/benchmarks.md). A frame is a little-endian `u32` length and that many bytes, as
-//! [`crate::net::write_frame`] writes them.
+//! sees a frame as soon as it lands, without the I/O driver's thread having to wake first (on a
+//! virtualized host a thread parked for a few milliseconds took 0.1–0.2 ms to wake,
+//! docs/benchmarks.md). Two users whose messages are on a step's critical path: the CUDA IPC
+//! transport's control channel (a zeromq channel through a socket task took 0.2–0.3 ms per
+//! message there) and the coordinator's control channel, whose waits poll their sockets while a
+//! reply is due ([`crate::hot_wait`]). A frame is a little-endian `u32` length and that many
+//! bytes, as [`crate::net::write_frame`] writes them.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream as StdTcpStream;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream as StdUnixStream;
 
 use tokio::io::unix::AsyncFd;
+use tokio::time::Instant;
 
-/// One end of a framed Unix stream connection.
-pub struct UnixLink {
-    fd: AsyncFd<StdUnixStream>,
+use crate::hot_wait::{Next, Window};
+
+/// The connected socket under a link.
+enum Socket {
+    Unix(StdUnixStream),
+    Tcp(StdTcpStream),
+}
+
+impl Socket {
+    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => (&*s).read(buf),
+            Socket::Tcp(s) => (&*s).read(buf),
+        }
+    }
+
+    fn write(&self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => (&*s).write(buf),
+            Socket::Tcp(s) => (&*s).write(buf),
+        }
+    }
+}
+
+impl AsRawFd for Socket {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Socket::Unix(s) => s.as_raw_fd(),
+            Socket::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+/// One end of a framed stream connection.
+pub struct FrameLink {
+    fd: AsyncFd<Socket>,
     /// Bytes read and not yet returned as frames, from `start`.
     inbound: Vec<u8>,
     start: usize,
@@ -24,21 +62,36 @@ pub struct UnixLink {
     max_frame: u32,
 }
 
-impl UnixLink {
-    /// Takes over a connected stream (after its handshake); frames over `max_frame` bytes are
-    /// refused as malformed.
-    pub fn new(stream: tokio::net::UnixStream, max_frame: u32) -> io::Result<UnixLink> {
+impl FrameLink {
+    /// Takes over a connected Unix stream (after its handshake); frames over `max_frame` bytes
+    /// are refused as malformed.
+    pub fn unix(stream: tokio::net::UnixStream, max_frame: u32) -> io::Result<FrameLink> {
         // `into_std` leaves the socket non-blocking.
-        let std = stream.into_std()?;
-        // SAFETY: the `UnixStream` owns its descriptor and keeps it, unchanged, until the
-        // `AsyncFd` that owns the stream drops it.
-        let fd = unsafe { AsyncFd::register(std) }.map_err(|e| e.into_parts().1)?;
-        Ok(UnixLink { fd, inbound: Vec::with_capacity(4096), start: 0, outbound: Vec::new(), max_frame })
+        FrameLink::new(Socket::Unix(stream.into_std()?), max_frame)
+    }
+
+    /// Takes over a connected TCP stream, as [`FrameLink::unix`].
+    pub fn tcp(stream: tokio::net::TcpStream, max_frame: u32) -> io::Result<FrameLink> {
+        FrameLink::new(Socket::Tcp(stream.into_std()?), max_frame)
+    }
+
+    fn new(socket: Socket, max_frame: u32) -> io::Result<FrameLink> {
+        // SAFETY: the socket owns its descriptor and keeps it, unchanged, until the `AsyncFd`
+        // that owns the socket drops it.
+        let fd = unsafe { AsyncFd::register(socket) }.map_err(|e| e.into_parts().1)?;
+        Ok(FrameLink { fd, inbound: Vec::with_capacity(4096), start: 0, outbound: Vec::new(), max_frame })
     }
 
     /// Queues one frame made of `parts` and writes as much of what is queued as the socket
     /// takes now (all of it, unless the peer stopped reading).
     pub fn send(&mut self, parts: &[&[u8]]) -> io::Result<()> {
+        self.queue(parts)?;
+        self.flush().map(|_| ())
+    }
+
+    /// Queues one frame made of `parts` without writing it: frames queued together go out in
+    /// one write at the next [`FrameLink::flush`] (so the peer finds them in one read).
+    pub fn queue(&mut self, parts: &[&[u8]]) -> io::Result<()> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let len = u32::try_from(len)
             .ok()
@@ -48,7 +101,7 @@ impl UnixLink {
         for p in parts {
             self.outbound.extend_from_slice(p);
         }
-        self.flush().map(|_| ())
+        Ok(())
     }
 
     /// Writes what is queued without waiting; true when nothing is left.
@@ -124,8 +177,47 @@ impl UnixLink {
         Ok(Some(frame))
     }
 
+    /// The next frame: polls for it inside `window` and parks on the socket outside it
+    /// ([`crate::hot_wait`]); `None` once `deadline` (if any) passed without one.
+    pub async fn recv(&mut self, window: Window, deadline: Option<Instant>) -> io::Result<Option<Vec<u8>>> {
+        loop {
+            if let Some(f) = self.try_recv()? {
+                return Ok(Some(f));
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(None);
+            }
+            match window.next(now) {
+                Next::Poll => tokio::task::yield_now().await,
+                Next::Park(until) => {
+                    let wake = match (until, deadline) {
+                        (Some(u), Some(d)) => Some(u.min(d)),
+                        (u, d) => u.or(d),
+                    };
+                    match wake {
+                        Some(w) => {
+                            if let Ok(r) = tokio::time::timeout_at(w, self.readable()).await {
+                                r?;
+                            }
+                        }
+                        None => self.readable().await?,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Closes the sending direction: the peer reads the end of the stream after what was sent.
+    pub fn shutdown_write(&self) -> io::Result<()> {
+        match self.fd.get_ref() {
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Write),
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Write),
+        }
+    }
+
     /// Waits until the socket has something to read (or was closed). Spurious returns are
-    /// possible: callers read with [`UnixLink::try_recv`] and wait again if nothing came.
+    /// possible: callers read with [`FrameLink::try_recv`] and wait again if nothing came.
     pub async fn readable(&self) -> io::Result<()> {
         let mut ready = self.fd.readable().await?;
         // Cleared before the caller reads: anything arriving after that read raises it again.
@@ -139,12 +231,12 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    fn pair() -> (UnixLink, UnixLink) {
+    fn pair() -> (FrameLink, FrameLink) {
         let (a, b) = tokio::net::UnixStream::pair().unwrap();
-        (UnixLink::new(a, 1 << 20).unwrap(), UnixLink::new(b, 1 << 20).unwrap())
+        (FrameLink::unix(a, 1 << 20).unwrap(), FrameLink::unix(b, 1 << 20).unwrap())
     }
 
-    async fn recv(l: &mut UnixLink) -> Vec<u8> {
+    async fn recv(l: &mut FrameLink) -> Vec<u8> {
         loop {
             if let Some(f) = l.try_recv().unwrap() {
                 return f;
@@ -190,12 +282,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn recv_polls_inside_its_window_parks_outside_and_keeps_its_deadline() {
+        use crate::hot_wait::Forecast;
+        let (mut a, mut b) = pair();
+        let mut due = Forecast::polling();
+        due.learn(Duration::from_millis(30));
+        let ms = Duration::from_millis;
+        // Due, on time (inside the window), then late (after it, while parked), then never.
+        for (after, expect) in [(ms(30), true), (ms(80), true), (ms(0), false)] {
+            let start = Instant::now();
+            let window = due.window(start);
+            let sender = tokio::spawn(async move {
+                if expect {
+                    tokio::time::sleep(after).await;
+                    a.send(&[b"cmd"]).unwrap();
+                }
+                a
+            });
+            let deadline = Some(start + if expect { Duration::from_secs(10) } else { ms(50) });
+            let got = b.recv(window, deadline).await.unwrap();
+            assert_eq!(got.is_some(), expect, "sent after {after:?}");
+            if expect {
+                assert_eq!(got.unwrap(), b"cmd");
+                assert!(start.elapsed() >= after);
+            } else {
+                assert!(start.elapsed() >= ms(50), "returned before its deadline");
+            }
+            a = sender.await.unwrap();
+        }
+    }
+
+    #[tokio::test]
     async fn oversized_frames_and_closed_peers_are_errors() {
         let (mut a, mut b) = pair();
         let e = a.send(&[&vec![0u8; (1 << 20) + 1]]).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         // A length over the limit, written raw.
-        a.fd.get_ref().write_all(&(2u32 << 20).to_le_bytes()).unwrap();
+        assert_eq!(a.fd.get_ref().write(&(2u32 << 20).to_le_bytes()).unwrap(), 4);
         tokio::time::timeout(Duration::from_secs(10), b.readable()).await.unwrap().unwrap();
         assert_eq!(b.try_recv().unwrap_err().kind(), io::ErrorKind::InvalidData);
         let (a, mut b) = pair();
