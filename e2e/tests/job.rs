@@ -109,6 +109,21 @@ impl Watch {
         Ok(Watch(child, path))
     }
 
+    /// Stops once the last row of `name` shows `text` — kubectl prints a watch event a moment
+    /// after the API server has it, so stopping as soon as the API shows a phase can cut its row
+    /// off — or after `within`.
+    async fn stop_after(self, name: &str, text: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            let table = std::fs::read_to_string(&self.1).unwrap_or_default();
+            if table.lines().rfind(|l| l.starts_with(name)).is_some_and(|r| r.contains(text)) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.stop()
+    }
+
     fn stop(mut self) -> String {
         let _ = self.0.kill();
         let _ = self.0.wait();
@@ -162,7 +177,7 @@ async fn runs_to_succeeded(file: &str) -> anyhow::Result<()> {
 
     let progress = record_progress(&c.env, &name, |j| phase_of(j).is_some_and(|p| p.is_finished())).await?;
     let job = c.wait(&name, "Succeeded", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
-    let table = watch.stop();
+    let table = watch.stop_after(&name, "Succeeded", Duration::from_secs(10)).await;
     println!("$ kubectl get rlj -w\n{table}");
     let (_, describe, _) = kubectl(&["describe", "rlj", &name, "-n", &ns])?;
     println!("$ kubectl describe rlj {name}\n{describe}");
