@@ -450,13 +450,12 @@ impl TqClient {
         };
         let mut meta = BatchMeta::builder(partition, columns.iter().map(|c| c.spec().clone()).collect());
         meta.reserve(keys.len());
-        let untagged = SampleTags::default();
+        let tags = shared_tags(&opts.tags, keys.len());
         let mut rows = Vec::with_capacity(columns.len());
         for (i, key) in keys.iter().enumerate() {
             rows.clear();
             rows.extend(columns.iter().map(|c| c.rows(i)));
-            let tags = opts.tags.get(i).filter(|t| !t.is_empty()).map(|t| SampleTags::from(t.as_slice()));
-            meta.push(key, units[i], tokens[i], &rows, tags.as_ref().unwrap_or(&untagged))
+            meta.push(key, units[i], tokens[i], &rows, &tags[i])
                 .map_err(|e| TqError::input(e.to_string(), "put fewer or shorter keys"))?;
         }
         self.register(meta.finish()).await?;
@@ -841,6 +840,21 @@ async fn read_reply<R: tokio::io::AsyncReadExt + Unpin>(
     }
 }
 
+/// One tag set per sample (empty where none is given), equal lists sharing one set: a batch's
+/// metadata carries each distinct set once (GRPO's samples share their prompt's `uid`, so a
+/// 128-sample put with 16 prompts holds 16 sets, not 128 — a `Train` command's JSON took 9.9 KB and
+/// 72 µs to read with one set per sample here).
+fn shared_tags(lists: &[Vec<(String, String)>], n: usize) -> Vec<SampleTags> {
+    let untagged = SampleTags::default();
+    let mut seen: HashMap<&[(String, String)], SampleTags> = HashMap::new();
+    (0..n)
+        .map(|i| match lists.get(i).filter(|t| !t.is_empty()) {
+            Some(t) => seen.entry(t.as_slice()).or_insert_with(|| SampleTags::from(t.as_slice())).clone(),
+            None => untagged.clone(),
+        })
+        .collect()
+}
+
 fn check_put(partition: &str, keys: &[String], columns: &[Column], opts: &PutOptions) -> Result<(), TqError> {
     if partition.is_empty() {
         return Err(TqError::input("partition name is empty", "name the step, e.g. `step-12`"));
@@ -900,4 +914,28 @@ fn subset_column(c: &Column, idx: &[usize]) -> Result<Column, TqError> {
     }
     Column::from_parts(c.spec().clone(), idx.len(), Bytes::from(values), offsets)
         .map_err(|e| TqError::input(e.to_string(), "this is a bug in subsetting; report it"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_tag_lists_share_one_set_and_missing_ones_are_empty() {
+        let tag = |uid: &str| vec![("uid".to_string(), uid.to_string()), ("engine".to_string(), "0".to_string())];
+        let lists = vec![tag("p0"), tag("p0"), vec![], tag("p1"), tag("p0")];
+        let sets = shared_tags(&lists, 6);
+        assert_eq!(sets.len(), 6);
+        assert!(Arc::ptr_eq(&sets[0], &sets[1]) && Arc::ptr_eq(&sets[0], &sets[4]), "equal lists share a set");
+        assert!(!Arc::ptr_eq(&sets[0], &sets[3]));
+        assert_eq!(&sets[3][..], &tag("p1")[..]);
+        assert!(sets[2].is_empty() && sets[5].is_empty(), "no tags: the empty set");
+        // A batch built from them holds each distinct set once.
+        let mut b = BatchMeta::builder("p", vec![]);
+        for (i, t) in sets.iter().enumerate() {
+            b.push(&format!("k{i}"), 0, 1, &[], t).unwrap();
+        }
+        let json = serde_json::to_string(&b.finish()).unwrap();
+        assert_eq!(json.matches("\"p0\"").count(), 1, "{json}");
+    }
 }
