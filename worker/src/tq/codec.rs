@@ -643,6 +643,26 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A batch's metadata alone, in the same binary layout as inside a claim's reply: for a message
+/// of another protocol that carries one (the control plane's `Train`), where JSON would spell out
+/// every number (a 512-sample batch: 24 KB of JSON, about 0.1 ms to parse).
+pub fn encode_meta(meta: &BatchMeta) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + 48 * meta.len());
+    Writer(&mut out).meta(meta);
+    out
+}
+
+/// Decodes what [`encode_meta`] wrote, checked like any frame; the bytes must hold exactly one
+/// batch.
+pub fn decode_meta(bytes: &[u8]) -> Result<BatchMeta, CodecError> {
+    let mut r = Reader { b: bytes, pos: 0 };
+    let meta = r.meta()?;
+    if r.pos != bytes.len() {
+        return Err(r.err(format!("{} bytes after the batch", bytes.len() - r.pos)));
+    }
+    Ok(meta)
+}
+
 /// Decodes a header frame's payload. Never panics; every error says where and what.
 pub fn decode(frame: &[u8]) -> Result<(Header, Body), CodecError> {
     let mut r = Reader { b: frame, pos: 0 };
@@ -985,6 +1005,19 @@ pub async fn skip_buffers<R: AsyncReadExt + Unpin>(r: &mut R, block: &Block) -> 
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_batch_alone_round_trips_and_refuses_trailing_or_missing_bytes() {
+        let m = meta();
+        let b = encode_meta(&m);
+        assert_eq!(decode_meta(&b).unwrap(), m);
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(decode_meta(&longer).unwrap_err().what.contains("1 bytes after the batch"));
+        for cut in [0, 1, b.len() / 2, b.len() - 1] {
+            assert!(decode_meta(&b[..cut]).is_err(), "cut at {cut}");
+        }
+    }
 
     fn meta() -> BatchMeta {
         let mut b = BatchMeta::builder(
