@@ -38,6 +38,7 @@ pub const MAX_JOB_NAME_LEN: usize = 40;
     printcolumn(name = "Step", type_ = "integer", json_path = ".status.step"),
     printcolumn(name = "Refit", type_ = "string", json_path = ".status.lastRefit.summary", description = "Last refit: version and seconds"),
     printcolumn(name = "Restarts", type_ = "integer", json_path = ".status.restarts"),
+    printcolumn(name = "Waiting", type_ = "string", json_path = ".status.stall.message", description = "What the coordinator has been waiting for, 5 s or longer", priority = 1),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = Rule::new("self.metadata.name.size() <= 40").message("metadata.name: at most 40 characters, so that pod and Service names stay valid DNS labels; choose a shorter name"),
 )]
@@ -737,6 +738,24 @@ pub struct LastRefit {
     pub summary: String,
 }
 
+/// What a wait of the coordinator's that has lasted 5 s or longer is waiting for (written by the
+/// coordinator; gone once the wait ends). A job whose ranks never arrive shows this long before
+/// any timeout turns it into a gang restart.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Stall {
+    /// The waiting phase: `connecting`, `set-up`, or the step and the commands awaited (`step 3: train`, …).
+    pub phase: String,
+    /// The ranks (process names) it waits for.
+    #[serde(default)]
+    pub waiting_for: Vec<String>,
+    /// Seconds waited so far (as of the last report; reports come every 5 s).
+    pub seconds: u64,
+    /// `<phase>: waiting <seconds>s for <ranks>`.
+    #[serde(default)]
+    pub message: String,
+}
+
 /// Observed state of an RLJob.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -772,6 +791,9 @@ pub struct RLJobStatus {
     /// The last refit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_refit: Option<LastRefit>,
+    /// What the coordinator is stuck waiting for, while a wait has lasted 5 s or longer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stall: Option<Stall>,
 }
 
 fn one() -> u32 {

@@ -108,12 +108,13 @@ impl Decision {
     }
 }
 
-/// The operator's part of a status: `step` and `lastRefit` belong to the coordinator (its own
-/// field manager), so they are never part of what the operator writes or compares.
+/// The operator's part of a status: `step`, `lastRefit` and `stall` belong to the coordinator (its
+/// own field manager), so they are never part of what the operator writes or compares.
 pub fn operator_status(status: Option<&RLJobStatus>) -> RLJobStatus {
     let mut st = status.cloned().unwrap_or_default();
     st.step = None;
     st.last_refit = None;
+    st.stall = None;
     st
 }
 

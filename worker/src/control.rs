@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use crate::hot_wait::{Forecast, Next};
 use crate::link::FrameLink;
 use crate::net::{self, Hello, JobAuth, NetError};
+use crate::patience::{Patience, Stall, StallSender};
 
 /// Protocol magic of the control channel.
 pub const MAGIC: [u8; 4] = *b"RCTL";
@@ -252,6 +253,13 @@ impl Drop for LateJoinerRefusal {
     }
 }
 
+/// Publishes (or, with `None`, withdraws) a stall into `sink`, when there is one.
+fn publish(sink: Option<&StallSender>, stall: Option<Stall>) {
+    if let Some(sink) = sink {
+        sink.send_replace(stall);
+    }
+}
+
 /// Commands sent with [`ControlServer::dispatch`] and not yet waited for.
 #[derive(Debug, Default)]
 #[must_use = "a dispatched command must be waited for, or its failure goes unnoticed"]
@@ -306,6 +314,10 @@ pub struct ControlServer {
     due: HashMap<String, Forecast>,
     /// Serialized commands, reused.
     out: Vec<u8>,
+    /// Where a wait that goes on publishes what it waits for (see [`crate::patience`]).
+    stall: Option<StallSender>,
+    /// The step the commands waited for belong to (named in a stall's phase).
+    step: u32,
 }
 
 impl ControlServer {
@@ -316,45 +328,63 @@ impl ControlServer {
         expected: &[String],
         auth: &JobAuth,
         deadline: Instant,
+        stall: Option<StallSender>,
     ) -> Result<ControlServer, ControlError> {
         let index: HashMap<String, usize> = expected.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
         let mut streams: Vec<Option<TcpStream>> = (0..expected.len()).map(|_| None).collect();
         let mut connected = 0;
+        // Each handshake on its own task: a connection that never speaks (a port scanner, a peer
+        // that hung after connecting) holds up nobody but itself.
+        let mut handshakes = tokio::task::JoinSet::new();
+        let mut patience = Patience::new("connecting");
+        let missing = |streams: &[Option<TcpStream>]| -> Vec<String> {
+            expected.iter().zip(streams).filter(|(_, s)| s.is_none()).map(|(n, _)| n.clone()).collect()
+        };
         while connected < expected.len() {
-            let accepted = tokio::time::timeout_at(deadline, listener.accept()).await;
-            let mut stream = match accepted {
-                Ok(Ok((s, _))) => s,
-                Ok(Err(e)) => {
-                    return Err(ControlError::Net {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let (mut stream, _) = accepted.map_err(|e| ControlError::Net {
                         rank: "?".into(),
                         source: NetError::io("accepting rank connections", "control listener", e),
+                    })?;
+                    net::tune(&stream);
+                    let (auth, known) = (auth.clone(), index.keys().cloned().collect::<HashSet<String>>());
+                    handshakes.spawn(async move {
+                        let hello = net::accept_hello(&mut stream, &auth, MAGIC, VERSION, deadline, |h| {
+                            if known.contains(&h.peer) {
+                                Ok(())
+                            } else {
+                                Err(format!("`{}` is not a rank of this job", h.peer))
+                            }
+                        })
+                        .await;
+                        hello.map(|h| (h.peer, stream))
                     });
                 }
-                Err(_) => {
-                    let missing: Vec<&str> =
-                        expected.iter().zip(&streams).filter(|(_, s)| s.is_none()).map(|(n, _)| n.as_str()).collect();
-                    return Err(ControlError::Missing(missing.join(", ")));
+                Some(done) = handshakes.join_next(), if !handshakes.is_empty() => match done {
+                    Ok(Ok((peer, stream))) => {
+                        let i = index[&peer];
+                        if streams[i].is_none() {
+                            connected += 1;
+                        }
+                        streams[i] = Some(stream);
+                    }
+                    // A refused peer (stale epoch, other job) is logged and ignored; the rest still join.
+                    Ok(Err(e)) => tracing::warn!(error = %e, "refused a control connection"),
+                    Err(e) => tracing::warn!(error = %e, "a control handshake's task failed"),
+                },
+                () = tokio::time::sleep_until(patience.due().min(deadline)) => {
+                    if Instant::now() >= deadline {
+                        return Err(ControlError::Missing(missing(&streams).join(", ")));
+                    }
+                    if let Some(s) = patience.report(|| missing(&streams)) {
+                        publish(stall.as_ref(), Some(s));
+                    }
                 }
-            };
-            net::tune(&stream);
-            let hello = net::accept_hello(&mut stream, auth, MAGIC, VERSION, deadline, |h| {
-                if index.contains_key(&h.peer) {
-                    Ok(())
-                } else {
-                    Err(format!("`{}` is not a rank of this job", h.peer))
-                }
-            })
-            .await;
-            // A refused peer (stale epoch, other job) is logged and ignored; the rest still join.
-            let Ok(hello) = hello else {
-                tracing::warn!(error = %hello.unwrap_err(), "refused a control connection");
-                continue;
-            };
-            let i = index[&hello.peer];
-            if streams[i].is_none() {
-                connected += 1;
             }
-            streams[i] = Some(stream);
+        }
+        if patience.finish() {
+            publish(stall.as_ref(), None);
         }
         let mut links = Vec::with_capacity(expected.len());
         for (name, s) in expected.iter().zip(streams) {
@@ -376,6 +406,8 @@ impl ControlServer {
             finished: HashMap::new(),
             due: HashMap::new(),
             out: Vec::with_capacity(4096),
+            stall,
+            step: 0,
         })
     }
 
@@ -388,6 +420,7 @@ impl ControlServer {
     /// that no step's time includes start-up.
     pub async fn wait_ready(&mut self, deadline: Instant) -> Result<(), ControlError> {
         let mut ready = vec![false; self.names.len()];
+        let mut patience = Patience::new("set-up");
         while ready.iter().any(|r| !r) {
             for (rank, reply, _) in self.poll_replies()? {
                 match reply {
@@ -403,13 +436,34 @@ impl ControlServer {
             if ready.iter().all(|r| *r) {
                 break;
             }
-            if !self.park(Some(deadline)).await? {
-                let waiting: Vec<&str> =
-                    self.names.iter().zip(&ready).filter(|(_, r)| !**r).map(|(n, _)| n.as_str()).collect();
-                return Err(ControlError::Timeout { command: "set-up".into(), waiting: waiting.join(", "), secs: 0.0 });
+            let waiting = || -> Vec<String> {
+                self.names.iter().zip(&ready).filter(|(_, r)| !**r).map(|(n, _)| n.clone()).collect()
+            };
+            if let Some(s) = patience.report(waiting) {
+                self.publish(Some(s));
+            }
+            if !self.park(Some(patience.due().min(deadline))).await? && Instant::now() >= deadline {
+                return Err(ControlError::Timeout {
+                    command: "set-up".into(),
+                    waiting: waiting().join(", "),
+                    secs: 0.0,
+                });
             }
         }
+        if patience.finish() {
+            self.publish(None);
+        }
         Ok(())
+    }
+
+    /// The step the next commands belong to (0: the initial weights), for stall reports.
+    pub fn set_step(&mut self, step: u32) {
+        self.step = step;
+    }
+
+    /// Publishes (or, with `None`, withdraws) what a wait is stalled on.
+    fn publish(&self, stall: Option<Stall>) {
+        publish(self.stall.as_ref(), stall);
     }
 
     /// Every reply that has arrived on any connection, with when it was read
@@ -571,6 +625,8 @@ impl ControlServer {
         let key = key.join("+");
         let window = self.due.entry(key.clone()).or_default().window(start);
         let learn = !waiting.is_empty();
+        let report_at = start + crate::patience::REPORT_EVERY;
+        let mut patience: Option<Patience> = None;
         while !waiting.is_empty() {
             for (rank, reply, at_ns) in self.poll_replies()? {
                 match reply {
@@ -620,12 +676,27 @@ impl ControlServer {
                     secs: start.elapsed().as_secs_f64(),
                 });
             }
+            if now >= report_at {
+                let p = patience.get_or_insert_with(|| Patience::since(start, format!("step {}: {key}", self.step)));
+                let names = || {
+                    let mut names: Vec<String> = waiting.iter().map(|(i, _)| self.names[*i].clone()).collect();
+                    names.sort();
+                    names
+                };
+                if let Some(s) = p.report(names) {
+                    self.publish(Some(s));
+                }
+            }
+            let report = patience.as_ref().map_or(report_at, Patience::due);
             match window.next(now) {
                 Next::Poll => tokio::task::yield_now().await,
                 Next::Park(until) => {
-                    self.park(Some(until.map_or(deadline, |u| u.min(deadline)))).await?;
+                    self.park(Some(until.map_or(deadline, |u| u.min(deadline)).min(report))).await?;
                 }
             }
+        }
+        if patience.is_some_and(Patience::finish) {
+            self.publish(None);
         }
         if learn {
             self.due.get_mut(&key).expect("inserted above").learn(start.elapsed());
@@ -820,7 +891,7 @@ mod tests {
         tokio::spawn(async move {
             let _ = ControlClient::connect(&stale, &JobAuth::new("old-token", &[2; 32]), "gen-0", deadline).await;
         });
-        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline, None).await.unwrap();
         s.wait_ready(deadline).await.unwrap();
         for step in 0..20 {
             let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
@@ -844,7 +915,7 @@ mod tests {
             let _ = c.next().await.unwrap();
             // Die without answering.
         });
-        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline, None).await.unwrap();
         let e = s.run(&names, Command::Train { step: 0, batch: None }, deadline).await.unwrap_err().to_string();
         assert!(e.contains("trainer-1 failed train: fan-out peer trainer-3 reset"), "{e}");
         let e = s.run(&names, Command::Update { step: 0, seed: Some(1) }, deadline).await.unwrap_err().to_string();
@@ -878,7 +949,7 @@ mod tests {
             tx.send(got).unwrap();
         });
         let names = vec!["trainer-0".to_string()];
-        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline, None).await.unwrap();
         // A batched Train between two commands without one, in one write.
         let sent = s
             .dispatch([
@@ -929,7 +1000,7 @@ mod tests {
                 }
             });
         }
-        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline).await.unwrap();
+        let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline, None).await.unwrap();
         s.wait_ready(deadline).await.unwrap();
         // Train and Update to trainer-0 in one write; wait for the update first.
         let sent = s
@@ -953,6 +1024,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_silent_connection_holds_up_no_rank_and_a_missing_one_is_reported_as_a_stall() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        // Sequential handshakes would wait out this whole deadline on the silent connection.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let names = vec!["gen-0".to_string(), "trainer-0".to_string()];
+        let auth = JobAuth::new("tok", &[3; rlplane_api::plan::JOB_KEY_LEN]);
+        let _silent = TcpStream::connect(&addr).await.unwrap();
+        let (tx, mut rx) = tokio::sync::watch::channel(None);
+        let server = tokio::spawn({
+            let auth = auth.clone();
+            async move { ControlServer::accept_all(&l, &names, &auth, deadline, Some(tx)).await.map(|_| ()) }
+        });
+        let gen0 = ControlClient::connect(&addr, &auth, "gen-0", deadline).await.unwrap();
+        // trainer-0 is late: after REPORT_EVERY the wait publishes whom it waits for.
+        tokio::time::timeout(Duration::from_secs(10), rx.changed()).await.expect("a stall within 10 s").unwrap();
+        let stall = rx.borrow_and_update().clone().expect("a stall");
+        assert_eq!(stall.phase, "connecting");
+        assert_eq!(stall.waiting_for, ["trainer-0"]);
+        let trainer = ControlClient::connect(&addr, &auth, "trainer-0", deadline).await.unwrap();
+        server.await.unwrap().unwrap();
+        assert_eq!(*rx.borrow(), None, "withdrawn once everyone joined");
+        assert!(Instant::now() + Duration::from_secs(40) < deadline, "nobody waited for the silent connection");
+        drop((gen0, trainer));
+    }
+
+    #[tokio::test]
     async fn after_the_gang_formed_a_stale_or_repeated_rank_is_refused_with_a_reason() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
@@ -963,7 +1061,7 @@ mod tests {
             let (addr, auth) = (addr.clone(), auth.clone());
             async move { ControlClient::connect(&addr, &auth, "gen-0", deadline).await.unwrap() }
         });
-        let _server = ControlServer::accept_all(&l, &names, &auth, deadline).await.unwrap();
+        let _server = ControlServer::accept_all(&l, &names, &auth, deadline, None).await.unwrap();
         let _joined = joined.await.unwrap();
         let _refusal = LateJoinerRefusal::start(l, auth.clone());
         let old = JobAuth::new("old-epoch", &[2; rlplane_api::plan::JOB_KEY_LEN]);

@@ -96,6 +96,9 @@ pub enum Progress {
     },
     /// A step finished.
     StepDone(Box<StepRecord>),
+    /// A wait has lasted [`crate::patience::REPORT_EVERY`] or longer: what it waits for; `None`
+    /// once it ended. The waits log it themselves; this is for the job's status.
+    Stalled(Option<crate::patience::Stall>),
 }
 
 /// Receives progress events.
@@ -122,6 +125,8 @@ impl Observer for LogObserver {
                 version = r.version,
                 "step done"
             ),
+            // The wait that stalled logged it already (crate::patience).
+            Progress::Stalled(_) => {}
         }
     }
 }
@@ -231,8 +236,39 @@ pub async fn run(
     });
     controller.watch_units(Duration::from_secs(1));
 
+    // Long waits publish what they wait for; the observer hears it while the steps go on.
+    let (stall_tx, mut stall_rx) = tokio::sync::watch::channel(None);
+    let forward = async {
+        while stall_rx.changed().await.is_ok() {
+            let stall = stall_rx.borrow_and_update().clone();
+            observer.progress(Progress::Stalled(stall));
+        }
+        std::future::pending::<()>().await
+    };
+    let steps = run_steps(plan, auth, control, &ranks, &controller, startup, timeout, stall_tx, observer);
+    let record = tokio::select! {
+        r = steps => r,
+        () = forward => unreachable!("forwarding never ends"),
+    };
+    serving_task.abort();
+    record
+}
+
+/// [`run`] once the transfer queue is served: the gang forms, then the steps run.
+#[allow(clippy::too_many_arguments)]
+async fn run_steps(
+    plan: &WorkerPlan,
+    auth: &JobAuth,
+    control: TcpListener,
+    ranks: &[String],
+    controller: &TqController,
+    startup: Duration,
+    timeout: Duration,
+    stall: crate::patience::StallSender,
+    observer: &dyn Observer,
+) -> Result<RunRecord, CoordinatorError> {
     let deadline = Instant::now() + startup;
-    let mut server = ControlServer::accept_all(&control, &ranks, auth, deadline).await?;
+    let mut server = ControlServer::accept_all(&control, ranks, auth, deadline, Some(stall)).await?;
     let _late_joiners = crate::control::LateJoinerRefusal::start(control, auth.clone());
     server.wait_ready(deadline).await?;
     observer.progress(Progress::Connected { ranks: ranks.len() });
@@ -254,7 +290,8 @@ pub async fn run(
         crate::telemetry::join_step(&span, &plan.job.token, step);
         let next = (step < plan.workload.steps).then_some(step + 1);
         let ahead = generate.take();
-        let (r, queued) = run_step(plan, &roles, &mut server, &controller, step, ahead, next, timeout, observer)
+        server.set_step(step);
+        let (r, queued) = run_step(plan, &roles, &mut server, controller, step, ahead, next, timeout, observer)
             .instrument(span)
             .await?;
         generate = queued;
@@ -265,7 +302,6 @@ pub async fn run(
     // expected; stop serving it.
     controller.close();
     server.shutdown_all().await;
-    serving_task.abort();
     record.dispatch_us = server.dispatch.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     // Monotonic clocks of different hosts are unrelated: one-way times only on one host.
     if plan.pods.iter().all(|p| p.host == plan.pods[0].host) {

@@ -13,6 +13,7 @@ pub mod link;
 pub mod local;
 pub mod metrics;
 pub mod net;
+pub mod patience;
 pub mod pod;
 pub mod proc;
 pub mod refit;

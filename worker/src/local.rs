@@ -610,6 +610,13 @@ impl Observer for Arc<Ui> {
                     bar.set_message(format!("step {step}: {phase}"));
                 }
             }
+            Progress::Stalled(Some(stall)) => {
+                if let Some((_, bar)) = &self.bars {
+                    let who = stall.waiting_for.join(", ");
+                    bar.set_message(format!("{}: waiting {:.0}s for {who}", stall.phase, stall.seconds));
+                }
+            }
+            Progress::Stalled(None) => {}
             Progress::StepDone(r) => {
                 let line = format!(
                     "step {}/{}: {:.3}s (generate {:.3}s, transfer {:.3}s, train {:.3}s, refit {:.4}s), {} samples, {} tokens, imbalance {:.3}, weights v{} everywhere",

@@ -91,7 +91,8 @@ impl NetError {
     }
 }
 
-/// Runs `fut` until `deadline`, naming what timed out.
+/// Runs `fut` until `deadline`, naming what timed out; says every few seconds that it still waits
+/// ([`crate::patience::wait_reporting`]).
 pub async fn until<T, E>(
     deadline: Instant,
     what: &str,
@@ -101,10 +102,9 @@ pub async fn until<T, E>(
 where
     E: Into<NetError>,
 {
-    let start = Instant::now();
-    match tokio::time::timeout_at(deadline, fut).await {
+    match crate::patience::wait_reporting(deadline, || format!("{what} with {peer}"), fut).await {
         Ok(r) => r.map_err(Into::into),
-        Err(_) => Err(NetError::Timeout { what: what.into(), peer: peer.into(), secs: start.elapsed().as_secs_f64() }),
+        Err(waited) => Err(NetError::Timeout { what: what.into(), peer: peer.into(), secs: waited.as_secs_f64() }),
     }
 }
 
@@ -127,8 +127,21 @@ pub fn tune(stream: &TcpStream) {
 pub async fn connect_retry(addr: &str, deadline: Instant, what: &str) -> Result<TcpStream, NetError> {
     let start = Instant::now();
     let mut backoff = Duration::from_millis(10);
+    let mut report = start + crate::patience::REPORT_EVERY;
     loop {
         let attempt = tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await;
+        if let Ok(Err(e)) = &attempt
+            && Instant::now() >= report
+        {
+            // The peer may legitimately start late; a peer that never does must not go unseen.
+            tracing::warn!(
+                peer = addr,
+                waited_s = start.elapsed().as_secs(),
+                timeout_in_s = deadline.saturating_duration_since(Instant::now()).as_secs(),
+                "still connecting for {what}: {e}"
+            );
+            report += crate::patience::REPORT_EVERY;
+        }
         match attempt {
             Ok(Ok(s)) => {
                 tune(&s);

@@ -1,11 +1,13 @@
 //! The coordinator's report of progress into its RLJob's status.
 //!
-//! The operator owns the RLJob's status except two fields the coordinator owns: `status.step`
-//! and `status.lastRefit`. The coordinator writes them with a server-side-apply patch of the
-//! status subresource under its own field manager (`rlplane-coordinator`), so the two writers
-//! never fight over fields; the pod's ServiceAccount may patch only its own job's status. Reports
-//! are throttled (at most one a second, the last one always) and best-effort: a failed report is
-//! logged, never fatal to the job.
+//! The operator owns the RLJob's status except three fields the coordinator owns: `status.step`,
+//! `status.lastRefit` and `status.stall` (what a wait of the coordinator's that has lasted
+//! [`crate::patience::REPORT_EVERY`] waits for; gone when it ends). The coordinator writes them
+//! with a server-side-apply patch of the status subresource under its own field manager
+//! (`rlplane-coordinator`), so the two writers never fight over fields; the pod's ServiceAccount
+//! may patch only its own job's status. Every patch carries all three as they stand (a field left
+//! out of an apply is removed). Reports are throttled (at most one a second, the last one always)
+//! and best-effort: a failed report is logged, never fatal to the job.
 
 use std::time::Duration;
 
@@ -15,31 +17,61 @@ use rlplane_api::RLJob;
 use tokio::sync::mpsc;
 
 use crate::coordinator::{Observer, Progress, StepRecord};
+use crate::patience::Stall;
 
 /// Field manager of the coordinator's status writes.
 pub const FIELD_MANAGER: &str = "rlplane-coordinator";
 
-/// The status patch for a finished step.
-pub fn status_patch(step: &StepRecord) -> serde_json::Value {
-    let bytes = step.refit_bytes_per_receiver;
-    serde_json::json!({
-        "apiVersion": "rlplane.dev/v1alpha1",
-        "kind": "RLJob",
-        "status": {
-            "step": step.step,
-            "lastRefit": {
-                "version": step.version,
-                "seconds": step.refit_s,
-                "bytes": bytes,
-                "summary": format!("v{} {:.3}s", step.version, step.refit_s),
-            }
-        }
-    })
+/// What the coordinator has to say in the status: the last finished step and the current stall.
+#[derive(Clone, Debug, Default)]
+pub struct CoordinatorStatus {
+    /// The last finished step.
+    pub step: Option<StepRecord>,
+    /// What a long wait waits for right now.
+    pub stall: Option<Stall>,
 }
 
-/// Reports steps into an RLJob's status from a background task.
+/// The status patch for what the coordinator has to say.
+pub fn status_patch(now: &CoordinatorStatus) -> serde_json::Value {
+    let mut status = serde_json::Map::new();
+    if let Some(step) = &now.step {
+        status.insert("step".into(), step.step.into());
+        status.insert(
+            "lastRefit".into(),
+            serde_json::json!({
+                "version": step.version,
+                "seconds": step.refit_s,
+                "bytes": step.refit_bytes_per_receiver,
+                "summary": format!("v{} {:.3}s", step.version, step.refit_s),
+            }),
+        );
+    }
+    if let Some(stall) = &now.stall {
+        status.insert(
+            "stall".into(),
+            serde_json::json!({
+                "phase": stall.phase,
+                "waitingFor": stall.waiting_for,
+                "seconds": stall.seconds.round() as u64,
+                "message": format!(
+                    "{}: waiting {:.0}s for {}",
+                    stall.phase, stall.seconds, stall.waiting_for.join(", ")
+                ),
+            }),
+        );
+    }
+    serde_json::json!({"apiVersion": "rlplane.dev/v1alpha1", "kind": "RLJob", "status": status})
+}
+
+/// One change to report.
+enum Report {
+    Step(StepRecord),
+    Stall(Option<Stall>),
+}
+
+/// Reports steps and stalls into an RLJob's status from a background task.
 pub struct StatusReporter {
-    tx: mpsc::UnboundedSender<StepRecord>,
+    tx: mpsc::UnboundedSender<Report>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -56,17 +88,22 @@ impl StatusReporter {
             }
         };
         let api: Api<RLJob> = Api::namespaced(client, namespace);
-        let (tx, mut rx) = mpsc::unbounded_channel::<StepRecord>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Report>();
         let name = name.to_string();
         let task = tokio::spawn(async move {
             let params = PatchParams::apply(FIELD_MANAGER);
-            while let Some(mut latest) = rx.recv().await {
-                // Coalesce whatever else arrived meanwhile: only the newest step matters.
-                while let Ok(newer) = rx.try_recv() {
-                    latest = newer;
+            let mut now = CoordinatorStatus::default();
+            while let Some(first) = rx.recv().await {
+                // Take in whatever else arrived meanwhile: only the newest of each matters.
+                let mut next = Some(first);
+                while let Some(report) = next.take().or_else(|| rx.try_recv().ok()) {
+                    match report {
+                        Report::Step(step) => now.step = Some(step),
+                        Report::Stall(stall) => now.stall = stall,
+                    }
                 }
-                if let Err(e) = api.patch_status(&name, &params, &Patch::Apply(status_patch(&latest))).await {
-                    tracing::warn!(error = %e, step = latest.step, "reporting progress into the RLJob status failed");
+                if let Err(e) = api.patch_status(&name, &params, &Patch::Apply(status_patch(&now))).await {
+                    tracing::warn!(error = %e, "reporting progress into the RLJob status failed");
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
@@ -91,8 +128,16 @@ pub struct ReportingObserver<O> {
 
 impl<O: Observer> Observer for ReportingObserver<O> {
     fn progress(&self, event: Progress) {
-        if let (Progress::StepDone(r), Some(rep)) = (&event, &self.reporter) {
-            let _ = rep.tx.send((**r).clone());
+        if let Some(rep) = &self.reporter {
+            match &event {
+                Progress::StepDone(r) => {
+                    let _ = rep.tx.send(Report::Step((**r).clone()));
+                }
+                Progress::Stalled(stall) => {
+                    let _ = rep.tx.send(Report::Stall(stall.clone()));
+                }
+                _ => {}
+            }
         }
         self.inner.progress(event);
     }
@@ -111,15 +156,30 @@ mod tests {
             refit_bytes_per_receiver: 16_060_522_496,
             ..Default::default()
         };
-        let p = status_patch(&rec);
+        let stall = Stall { phase: "train".into(), waiting_for: vec!["trainer-1".into()], seconds: 12.4 };
+        let p = status_patch(&CoordinatorStatus { step: Some(rec), stall: Some(stall) });
         let status = p["status"].as_object().unwrap();
         let mut keys: Vec<&String> = status.keys().collect();
         keys.sort();
-        assert_eq!(keys, ["lastRefit", "step"], "never the operator's fields");
+        assert_eq!(keys, ["lastRefit", "stall", "step"], "never the operator's fields");
         assert_eq!(p["status"]["lastRefit"]["summary"], "v7 0.044s");
+        assert_eq!(p["status"]["stall"]["message"], "train: waiting 12s for trainer-1");
         assert_eq!(p["kind"], "RLJob");
         // The patch is a valid RLJobStatus fragment.
         let parsed: rlplane_api::RLJobStatus = serde_json::from_value(p["status"].clone()).unwrap();
         assert_eq!(parsed.step, Some(7));
+        assert_eq!(parsed.stall.unwrap().waiting_for, ["trainer-1"]);
+    }
+
+    #[test]
+    fn a_stall_that_ended_leaves_the_patch_and_so_the_status() {
+        let p = status_patch(&CoordinatorStatus { step: Some(StepRecord::default()), stall: None });
+        assert!(p["status"].get("stall").is_none(), "an apply without the field removes it");
+        let before_any_step = status_patch(&CoordinatorStatus {
+            step: None,
+            stall: Some(Stall { phase: "connecting".into(), waiting_for: vec!["gen-0".into()], seconds: 5.0 }),
+        });
+        assert!(before_any_step["status"].get("step").is_none());
+        assert_eq!(before_any_step["status"]["stall"]["waitingFor"][0], "gen-0");
     }
 }

@@ -180,7 +180,8 @@ async fn the_control_port_admits_only_the_key_holder() {
     let addr = listener.local_addr().unwrap().to_string();
     let auth = e.current.clone();
     let names = vec!["gen-0".to_string()];
-    let server = tokio::spawn(async move { ControlServer::accept_all(&listener, &names, &auth, deadline()).await });
+    let server =
+        tokio::spawn(async move { ControlServer::accept_all(&listener, &names, &auth, deadline(), None).await });
     let hello = Hello { magic: control::MAGIC, version: control::VERSION, peer: "gen-0".into(), extra: vec![] };
     attack(&addr, &e, &hello, b"{\"Ready\":null}").await;
     assert!(!server.is_finished(), "no attacker took gen-0's place");
@@ -334,7 +335,8 @@ async fn a_listener_without_the_key_is_refused_by_the_connecting_side() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let names = vec!["gen-0".to_string()];
-    let server = tokio::spawn(async move { ControlServer::accept_all(&listener, &names, &impostor, deadline()).await });
+    let server =
+        tokio::spawn(async move { ControlServer::accept_all(&listener, &names, &impostor, deadline(), None).await });
     let err = ControlClient::connect(&addr, &e.current, "gen-0", Instant::now() + Duration::from_secs(20))
         .await
         .err()

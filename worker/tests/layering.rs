@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The library modules: what the sidecar API, the synthetic roles and the benchmarks share.
-const LIBRARIES: &[&str] = &["digest", "gpu", "hot_wait", "link", "net", "refit", "shm", "transport", "tq", "workload"];
+const LIBRARIES: &[&str] =
+    &["digest", "gpu", "hot_wait", "link", "net", "patience", "refit", "shm", "transport", "tq", "workload"];
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).expect("read worker/src") {

@@ -99,7 +99,7 @@ async fn bench(args: Args) -> anyhow::Result<()> {
         children.push(cmd.spawn().context("starting a control peer")?);
     }
     let deadline = Instant::now() + Duration::from_secs(60);
-    let server = ControlServer::accept_all(&control, &names, &auth, deadline).await;
+    let server = ControlServer::accept_all(&control, &names, &auth, deadline, None).await;
     let _ = std::fs::remove_file(&key_file);
     let mut server = server?;
     server.wait_ready(deadline).await?;
