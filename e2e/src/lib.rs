@@ -10,6 +10,7 @@
 //! needs no worker image, and [`Env`] finishes the deletion of terminating pods the way a kubelet
 //! does once their containers stopped. docs/operator.md says how to run them.
 
+pub mod jobs;
 pub mod node_agent;
 
 use std::collections::BTreeMap;

@@ -100,6 +100,13 @@ pub struct NodeAgent {
 impl NodeAgent {
     /// Starts the agent's loop for `cfg.namespace`.
     pub fn start(client: Client, cfg: NodeAgentConfig) -> anyhow::Result<NodeAgent> {
+        // Two agents in one directory overwrite each other's hosts file: one job's pods then read
+        // the other job's names and wait for peers they cannot resolve (issue 30).
+        if !ROOTS.lock().unwrap().insert(cfg.root.clone()) {
+            bail!("another node agent of this process uses {} already; give each its own root", cfg.root.display());
+        }
+        // What an earlier run of the same namespace left is no pod of this one.
+        let _ = std::fs::remove_dir_all(&cfg.root);
         std::fs::create_dir_all(&cfg.root).with_context(|| format!("cannot create {}", cfg.root.display()))?;
         static AGENTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = AGENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -174,8 +181,20 @@ impl NodeAgent {
     }
 }
 
+/// The roots of this process's live agents.
+static ROOTS: Mutex<std::collections::BTreeSet<PathBuf>> = Mutex::new(std::collections::BTreeSet::new());
+
+/// A short directory of its own for the agent of `namespace` (pods' Unix sockets live under it,
+/// and a socket path is at most 107 bytes): `<tmp>/rlpe2e-<hash of the namespace>`.
+pub fn root_for(namespace: &str) -> PathBuf {
+    // FNV-1a: stable across runs and processes, unlike std's randomly seeded hasher.
+    let hash = namespace.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    std::env::temp_dir().join(format!("rlpe2e-{:010x}", hash & 0xff_ffff_ffff))
+}
+
 impl Drop for NodeAgent {
     fn drop(&mut self) {
+        ROOTS.lock().unwrap().remove(&self.cfg.root);
         self.task.abort();
         let mut st = self.state.lock().unwrap();
         for p in st.pods.values_mut() {

@@ -16,81 +16,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use kube::ResourceExt;
 use rlplane_api::{Phase, RLJob};
-use rlplane_e2e::node_agent::{NodeAgent, NodeAgentConfig};
+use rlplane_e2e::jobs::{Cluster, RUN};
 use rlplane_e2e::{
-    Env, api_server_of_kubeconfig, cluster_tool, epoch_of, helm, kubectl, kubectl_stdin, phase_of,
-    service_account_token, worker_binary, workspace,
+    Env, cluster_tool, epoch_of, helm, kubectl, kubectl_stdin, phase_of, service_account_token, worker_binary,
+    workspace,
 };
 use rlplane_operator::cluster::http_get;
-
-/// A job's whole run on 2 cores, with a restart, fits well inside this.
-const RUN: Duration = Duration::from_secs(240);
-
-/// The test's namespace, operator and node agent (which runs the pods as local processes).
-struct Cluster {
-    env: Env,
-    agent: NodeAgent,
-    dir: PathBuf,
-}
-
-impl Cluster {
-    async fn start(test: &str) -> anyhow::Result<Option<Cluster>> {
-        Self::start_with(test, []).await
-    }
-
-    /// As [`Cluster::start`], with more command words the node agent maps to executables (a
-    /// user container's `python`, say).
-    async fn start_with(
-        test: &str,
-        more: impl IntoIterator<Item = (String, PathBuf)>,
-    ) -> anyhow::Result<Option<Cluster>> {
-        let Some(env) = Env::start_for_node_agent(test).await? else { return Ok(None) };
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("e2e-node-agent").join(&env.namespace);
-        let (api_server, api_ca_file) = api_server_of_kubeconfig(&dir).await?;
-        let cfg = NodeAgentConfig {
-            namespace: env.namespace.clone(),
-            // Short: the pods' Unix sockets live under it (a socket path is at most 107 bytes).
-            root: std::env::temp_dir().join(format!("rlpe2e-{}", env.namespace.rsplit('-').next().unwrap_or("x"))),
-            executables: [("rlplane".to_string(), worker_binary()?)].into_iter().chain(more).collect(),
-            api_server,
-            api_ca_file,
-        };
-        // The test's own files (the agent's pods live under the short root above).
-        std::fs::create_dir_all(&dir)?;
-        let agent = NodeAgent::start(env.client.clone(), cfg)?;
-        Ok(Some(Cluster { env, agent, dir }))
-    }
-
-    /// `kubectl apply -n <ns> -f manifests/<file>` (or `<file>` from the workspace's root when it
-    /// names a directory) with the manifest's text edited by `edit`; prints kubectl's answer and
-    /// returns the job's name (from `rljob.rlplane.dev/<name> created`).
-    fn apply(&self, file: &str, edit: impl FnOnce(String) -> String) -> anyhow::Result<String> {
-        let shown = if file.contains('/') { file.to_string() } else { format!("manifests/{file}") };
-        let text = std::fs::read_to_string(workspace().join(&shown))?;
-        let (ok, out, err) = kubectl_stdin(&["apply", "-n", &self.env.namespace, "-f", "-"], &edit(text))?;
-        anyhow::ensure!(ok, "kubectl apply -f {shown} failed:\n{err}");
-        println!("$ kubectl apply -f {shown}\n{}", out.trim());
-        let name = out.split_whitespace().next().and_then(|o| o.strip_prefix("rljob.rlplane.dev/"));
-        Ok(name.with_context(|| format!("kubectl apply named no RLJob: {out}"))?.to_string())
-    }
-
-    /// Waits for `done`, and on a timeout or a Failed job shows the pods' logs.
-    async fn wait(&self, job: &str, what: &str, done: impl Fn(&RLJob) -> bool) -> anyhow::Result<RLJob> {
-        let failed_early = |j: &RLJob| phase_of(j) == Some(Phase::Failed);
-        match self.env.wait_job(job, what, RUN, |j| done(j) || failed_early(j)).await {
-            Ok(j) if done(&j) => Ok(j),
-            other => {
-                let pods = self.env.pods_of(job).await.unwrap_or_default();
-                let mut logs = String::new();
-                for p in &pods {
-                    logs.push_str(&self.agent.logs(&p.name_any()));
-                }
-                let status = other.map(|j| format!("{:?}", j.status)).unwrap_or_else(|e| format!("{e:#}"));
-                bail!("RLJob {job}: {what} did not happen: {status}\npod logs:\n{logs}")
-            }
-        }
-    }
-}
 
 /// `kubectl get rlj -w` in the background: what a user watching the job sees.
 struct Watch(Child, PathBuf);
@@ -192,7 +123,15 @@ async fn runs_to_succeeded(file: &str) -> anyhow::Result<()> {
     println!("{file}: STEP/REFIT seen while running: {progress:?}");
     // The table a user watches shows the columns filling in.
     let rows: Vec<&str> = table.lines().filter(|l| l.starts_with(&name)).collect();
-    assert!(rows.iter().any(|r| r.contains("Running")), "{file}: kubectl get rlj -w never showed Running:\n{table}");
+    // A job of a few seconds may finish before the operator saw every pod ready (Running); the
+    // columns must fill in before the last row all the same.
+    let before_last = &rows[..rows.len().saturating_sub(1)];
+    assert!(
+        before_last
+            .iter()
+            .any(|r| r.split_whitespace().any(|w| w.strip_prefix('v').is_some_and(|n| n.parse::<u64>().is_ok()))),
+        "{file}: kubectl get rlj -w never showed STEP and REFIT while the job ran:\n{table}"
+    );
     assert!(rows.last().is_some_and(|r| r.contains("Succeeded")), "{file}: the last row is not Succeeded:\n{table}");
     // The coordinator wrote them, through its own field manager, as the per-job worker account
     // (the only credentials its pod has; the operator's tests show that account can patch no
@@ -212,11 +151,46 @@ async fn the_colocated_cpu_job_applied_with_kubectl_runs_to_succeeded() -> anyho
     runs_to_succeeded("rljob-cpu-colocated.yaml").await
 }
 
+/// A job whose generation pods cannot be placed: the coordinator (in the trainer's pod) waits for
+/// their ranks, and says so — in its log and in the job's status (`kubectl get rlj -o wide`) —
+/// within seconds, long before its start-up deadline.
+#[tokio::test]
+async fn a_coordinator_waiting_for_a_pending_pod_says_whom_it_waits_for_in_the_status() -> anyhow::Result<()> {
+    let Some(c) = Cluster::start("job-stall").await? else { return Ok(()) };
+    let unplaceable = "generation:\n    nodeSelector: {rlplane.dev/e2e-no-such-node: \"true\"}\n    ";
+    let name = c.apply("rljob-cpu.yaml", |t| t.replacen("generation:\n    ", unplaceable, 1))?;
+    let started = Instant::now();
+    let job = c
+        .wait(&name, "status.stall naming the generation ranks", |j| {
+            j.status
+                .as_ref()
+                .and_then(|s| s.stall.as_ref())
+                .is_some_and(|s| s.waiting_for.iter().any(|r| r.starts_with("gen-")))
+        })
+        .await?;
+    let waited = started.elapsed();
+    let stall = job.status.and_then(|s| s.stall).expect("a stall");
+    println!("status.stall after {:.1}s: {stall:?}", waited.as_secs_f64());
+    assert_eq!(stall.phase, "connecting", "{stall:?}");
+    assert!(stall.message.contains("waiting") && stall.message.contains("gen-0"), "{stall:?}");
+    assert!(waited < Duration::from_secs(60), "the stall showed after {waited:?}: the start-up deadline is 120 s");
+    let (_, wide, _) = kubectl(&["get", "rlj", &name, "-n", &c.env.namespace, "-o", "wide"])?;
+    println!("$ kubectl get rlj -o wide\n{wide}");
+    assert!(wide.contains("WAITING") && wide.contains("connecting: waiting"), "{wide}");
+    // The coordinator's own log says the same, every few seconds.
+    let trainer =
+        c.env.pods_of(&name).await?.into_iter().find(|p| p.name_any().contains("trainer-0")).expect("trainer-0");
+    let log = c.agent.logs(&trainer.name_any());
+    assert!(log.contains("the coordinator is still waiting for gen-0"), "{log}");
+    c.env.cleanup().await
+}
+
 #[tokio::test]
 async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused() -> anyhow::Result<()> {
     let Some(c) = Cluster::start("job-kill").await? else { return Ok(()) };
-    // Enough steps that the kill lands mid-job.
-    let name = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 12"))?;
+    // Enough steps that the kill lands mid-job, and that the new gang still runs when the old
+    // epoch's rank tries to rejoin.
+    let name = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 60"))?;
     c.wait(&name, "the first step", |j| j.status.as_ref().and_then(|s| s.step).is_some_and(|s| s >= 1)).await?;
 
     // Keep the old epoch's plan (and its token) before the restart replaces it.
