@@ -14,7 +14,8 @@ error, empty result or result that is only NaN fails the check.
 With --picture PNG it also draws every panel from range queries (matplotlib), as a person would
 see the dashboard.
 
-Exits 0 with "skipped: ..." when the prometheus binary is absent.
+Exits 0 with "skipped: ..." when the prometheus binary is absent, unless RLPLANE_CI_REQUIRED=1
+(as in CI), where a missing prometheus fails the check.
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ def main() -> int:
 
     prometheus = shutil.which("prometheus")
     if not prometheus:
+        if os.environ.get("RLPLANE_CI_REQUIRED") == "1":
+            print("FAIL: the dashboard check needs prometheus (RLPLANE_CI_REQUIRED=1; apt-get install prometheus)", file=sys.stderr)
+            return 1
         print("skipped: the dashboard check needs Debian's prometheus (apt-get install prometheus)")
         return 0
     for b in (args.rlplane, args.fixture):

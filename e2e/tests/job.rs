@@ -259,7 +259,7 @@ fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> anyhow
 async fn prometheus_scrapes_the_job_through_the_pod_monitor_and_the_dashboard_answers() -> anyhow::Result<()> {
     let Some(prometheus) = which("prometheus") else {
         if std::env::var(rlplane_e2e::REQUIRED_ENV).as_deref() == Ok("1") {
-            bail!("prometheus is not installed (apt-get install prometheus; .ci/run installs it)");
+            bail!("prometheus is not installed (apt-get install prometheus; scripts/test installs it)");
         }
         use std::io::Write as _;
         let _ = writeln!(std::io::stderr(), "SKIPPED: prometheus is not installed (apt-get install prometheus)");

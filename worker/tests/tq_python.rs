@@ -1,7 +1,8 @@
 //! The wire format as `docs/transfer-queue.md` documents it, spoken by a Python peer (plain
 //! sockets + numpy): it puts into a storage unit, registers with the controller, claims, gets and
 //! acknowledges; a Rust client then reads the Python-put samples in another group. Skipped, saying
-//! so, where python3 with numpy is not installed.
+//! so, where python3 with numpy is not installed (failing instead with `RLPLANE_TOOLS_REQUIRED=1` or
+//! `RLPLANE_PYTHON_REQUIRED=1`: scripts/test sets `RLPLANE_PYTHON` to its venv, which has numpy).
 
 mod tq_support;
 
@@ -148,8 +149,13 @@ assert kind == 66 and r.u32() == 3
 print("OK")
 "#;
 
+/// The interpreter: `RLPLANE_PYTHON` (scripts/test's venv, which has numpy), else `python3`.
+fn python() -> String {
+    std::env::var("RLPLANE_PYTHON").ok().filter(|p| !p.is_empty() && p != "skip").unwrap_or_else(|| "python3".into())
+}
+
 fn python_with_numpy() -> bool {
-    std::process::Command::new("python3")
+    std::process::Command::new(python())
         .args(["-c", "import numpy"])
         .output()
         .map(|o| o.status.success())
@@ -159,6 +165,15 @@ fn python_with_numpy() -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_peer_speaks_the_documented_wire_format() {
     if !python_with_numpy() {
+        let python_skipped = std::env::var("RLPLANE_PYTHON").as_deref() == Ok("skip");
+        let required = ["RLPLANE_TOOLS_REQUIRED", "RLPLANE_PYTHON_REQUIRED"]
+            .iter()
+            .any(|v| std::env::var(v).as_deref() == Ok("1"));
+        assert!(
+            python_skipped || !required,
+            "{} with numpy is needed (RLPLANE_TOOLS_REQUIRED=1: scripts/test sets RLPLANE_PYTHON to its venv)",
+            python()
+        );
         // The stderr handle, not eprintln!: the harness would capture it for a passing test.
         use std::io::Write as _;
         let _ = writeln!(
@@ -201,7 +216,7 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
     let ctl_addr = ctl.recv(T).await.unwrap()["listen"].as_str().unwrap().to_string();
     let (ch, cp) = ctl_addr.rsplit_once(':').unwrap();
     let (uh, up) = unit_addr.rsplit_once(':').unwrap();
-    let out = tokio::process::Command::new("python3")
+    let out = tokio::process::Command::new(python())
         .args(["-c", PRODUCER, TOKEN, key_file(), ch, cp, uh, up, "4"])
         .output()
         .await
