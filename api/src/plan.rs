@@ -98,6 +98,11 @@ pub struct PodEntry {
     pub bind_host: String,
     /// Directory of its ipc:// (Unix) sockets (the shared emptyDir).
     pub ipc_dir: String,
+    /// Its sockets and shared-memory files are for the worker's user only (`rlplane local`, where
+    /// every process runs as one user). False in a cluster, where a user's container may run as
+    /// another uid, so they are made readable and writable for every user of the pod.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub private_ipc: bool,
 }
 
 /// Coordinates of a trainer rank. Global rank order: tp fastest, then cp, dp, pp slowest.

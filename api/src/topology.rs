@@ -42,6 +42,12 @@ pub trait Addressing {
     fn port(&self, pod: &str, base: u16, offset: u32) -> u16;
     /// Whether these pods certainly share one node (so CUDA IPC can join them).
     fn same_node(&self, pods: &[&str]) -> bool;
+    /// Whether `pod`'s sockets and shared-memory files are for its own user only: true where
+    /// every process of the job runs as one user (`rlplane local`); false in a cluster, where a
+    /// user's container may run as another uid than the worker's.
+    fn private_ipc(&self, _pod: &str) -> bool {
+        false
+    }
 }
 
 /// Cluster addressing: `<pod>.<job>-headless.<ns>.svc`, fixed ports, sockets in `/var/run/rlplane`.
@@ -109,6 +115,7 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
             host: addr.host(&name),
             bind_host: addr.bind_host(&name),
             ipc_dir: addr.ipc_dir(&name),
+            private_ipc: addr.private_ipc(&name),
             name,
             role,
             index,

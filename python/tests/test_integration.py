@@ -161,6 +161,12 @@ def test_torch_trainer_and_staged_engines(rlplane_bin: str, tmp_path: Path) -> N
     p = run_local(rlplane_bin, m, tmp_path)
     assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     check_job(tmp_path, out, steps=3, ranks=2, engines=2)
+    # rlplane local runs every process as one user: the sidecar's socket, its directory and the
+    # staged weights it shares are that user's only (in a pod they are widened for other uids).
+    for engine in reports(out, "engine"):
+        m = engine["modes"]
+        assert m["socket"] == 0o600 and m["socket_dir"] == 0o700, m
+        assert m["shm_files"] and all(mode & 0o077 == 0 for mode in m["shm_files"].values()), m
 
 
 def test_a_trainer_failure_fails_the_run_with_its_message(rlplane_bin: str, tmp_path: Path) -> None:

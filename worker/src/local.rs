@@ -151,6 +151,9 @@ impl Addressing for LocalAddressing {
     fn same_node(&self, _pods: &[&str]) -> bool {
         true
     }
+    fn private_ipc(&self, _pod: &str) -> bool {
+        true
+    }
 }
 
 /// The summary as written by `--json`.
@@ -261,7 +264,13 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
     plan.job.key_file = key_path.display().to_string();
     let auth = JobAuth::new(&plan.job.token, &key);
     for pod in &plan.pods {
-        std::fs::create_dir_all(&pod.ipc_dir).with_context(|| format!("creating {}", pod.ipc_dir))?;
+        use std::os::unix::fs::DirBuilderExt;
+        // This user's only, like everything under the scratch directory.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&pod.ipc_dir)
+            .with_context(|| format!("creating {}", pod.ipc_dir))?;
     }
     let plan_path = scratch.join("plan.json");
     std::fs::write(&plan_path, plan.to_json()).with_context(|| format!("writing {}", plan_path.display()))?;
@@ -532,11 +541,14 @@ async fn blame(sup: &mut Supervisor, named: Option<&str>, grace: Duration) -> Op
     (pick < failed.len()).then(|| failed.swap_remove(pick))
 }
 
+/// The run's scratch directory: the job key, the plan and the sockets live in it, so it is this
+/// user's only (0700), whatever the umask.
 fn tempdir(name: &str) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
     let base = std::env::temp_dir();
     for n in 0..1000u32 {
         let p = base.join(format!("rlplane-{name}-{}-{n}", std::process::id()));
-        if std::fs::create_dir(&p).is_ok() {
+        if std::fs::DirBuilder::new().mode(0o700).create(&p).is_ok() {
             return Ok(p);
         }
     }

@@ -34,6 +34,19 @@ def check(views: dict, weights: list, version: int) -> list[str]:
     return bad
 
 
+def modes() -> dict:
+    """Permission bits of what the sidecar made for this rank: its socket, the socket's directory
+    and the shared-memory files in RLPLANE_SHM_DIR that are not the client's own."""
+    from rlplane._wire import socket_path
+
+    sock = socket_path("engine")
+    shm = os.environ.get("RLPLANE_SHM_DIR", "/dev/shm")
+    files = {f: os.stat(os.path.join(shm, f)).st_mode & 0o777 for f in os.listdir(shm)
+             if not f.startswith("rlplane-py-client-")}
+    return {"socket": os.stat(sock).st_mode & 0o777, "socket_dir": os.stat(os.path.dirname(sock)).st_mode & 0o777,
+            "shm_files": files}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", required=True)
@@ -59,6 +72,7 @@ def main() -> int:
             views = {w.name: e.alloc(w.name) for w in weights}
             e.register(views)
         report["version_before"] = e.version().version
+        report["modes"] = modes()
         if not info.rank.producer:
             report["note"] = "not a producer: takes weights only"
             return 0

@@ -241,6 +241,9 @@ impl Addressing for LoopbackAddressing {
     fn same_node(&self, _pods: &[&str]) -> bool {
         true
     }
+    fn private_ipc(&self, _pod: &str) -> bool {
+        true
+    }
 }
 
 /// A port nothing listens on right now, outside the ephemeral range (see

@@ -70,6 +70,13 @@ pub struct RankInfo {
 }
 
 impl RankInfo {
+    /// Permission bits of what this rank's sidecar shares with the user's processes (its socket,
+    /// staged weights, batch files): its own user's only where the plan says every process runs
+    /// as one user, else every user's (a user's container may run as another uid).
+    pub fn shared_mode(&self) -> u32 {
+        if self.plan.pods[self.plan.process(self.me).pod as usize].private_ipc { 0o600 } else { 0o666 }
+    }
+
     fn memory_kind(&self) -> MemoryKind {
         if self.kind == TransportKind::Tcp { MemoryKind::Host } else { MemoryKind::Device }
     }
@@ -239,9 +246,10 @@ impl Link {
                 }
             )
         })?;
-        // Users' containers may run as another user than the worker.
+        // Users' containers may run as another user than the worker; locally, no one else may.
         use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(info.shared_mode()))
+            .with_context(|| format!("setting the permissions of the local API socket {}", path.display()))?;
         let (changed, _) = watch::channel(0);
         let link = Link {
             info: Arc::new(info),

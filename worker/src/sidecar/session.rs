@@ -185,7 +185,8 @@ impl Session {
                 let manifest = info.plan.manifest();
                 let (w, staging) = if staged {
                     let path = info.shm_dir.join(format!("{}-staging", info.file_prefix()));
-                    let (w, d) = UserWeights::staging(&manifest, info.memory_kind(), info.gpu.as_ref(), &path)
+                    let mode = info.shared_mode();
+                    let (w, d) = UserWeights::staging(&manifest, info.memory_kind(), info.gpu.as_ref(), &path, mode)
                         .map_err(|e| ApiError::new(ErrorKind::Failed, format!("allocating staging buffers: {e:#}")))?;
                     if info.memory_kind() == super::weights::MemoryKind::Host {
                         self.link.update(|s| s.files.push(path.clone()));
@@ -528,7 +529,8 @@ pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(0o644)
+        // The user's process only reads it.
+        .mode(info.shared_mode() & 0o644)
         .open(&path)
         .map_err(|e| anyhow::anyhow!("creating the batch file {}: {e}", path.display()))?;
     let mut at = 0u64;

@@ -205,12 +205,14 @@ impl UserWeights {
 
     /// The sidecar's own buffers for every tensor of the model (an engine's staged mode): one
     /// shared-memory file under `shm_dir` (host) or one exportable allocation per tensor (GPU).
-    /// Also returns their descriptors for the engine to map.
+    /// Also returns their descriptors for the engine to map. `mode`: the file's permission bits
+    /// (see [`super::RankInfo::shared_mode`]).
     pub fn staging(
         manifest: &[TensorSpec],
         kind: MemoryKind,
         gpu: Option<&Gpu>,
         path: &Path,
+        mode: u32,
     ) -> anyhow::Result<(UserWeights, Vec<Value>)> {
         let sizes: Vec<u64> = manifest.iter().map(|t| t.size_bytes()).collect();
         let mut descs = Vec::with_capacity(manifest.len());
@@ -226,7 +228,7 @@ impl UserWeights {
                 let file = Arc::new(SharedFile::create(path, at.max(1) as usize)?);
                 // Another container of the pod may run as another user: let it map the file.
                 use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
                 for ((t, s), off) in manifest.iter().zip(&sizes).zip(&offsets) {
                     regions.push(Some(file.region(*off, *s)?));
                     descs.push(json!({"name": t.name, "dtype": t.dtype.as_str(), "shape": t.shape,
