@@ -37,16 +37,22 @@ def main() -> int:
 
     def refit() -> None:
         engine.load_state_dict(policy.state_dict())
+
+    def check_probe(step: int) -> dict:
+        # As train.py does through rlplane: before generating step `step`, the engine's probe
+        # logits with the weights it holds (version step - 1) equal the trainer's.
         assert torch.equal(grpo.probe_logits(policy, probe), grpo.probe_logits(engine, probe)), "probe logits differ"
+        return {"version": step - 1, "engines": 1}
 
     start = time.monotonic()
     refit()  # version 0: the initial weights
     curve = []
     for step in range(1, cfg.steps + 1):
+        compared = check_probe(step)
         rollouts = grpo.generate(engine, grpo.prompts_for_step(cfg, step), cfg, step)  # engine holds step - 1
         metrics = grpo.train_step(policy, optimizer, rollouts, cfg, step)
         refit()  # version `step`
-        metrics = {"step": step, **{k: round(v, 4) for k, v in metrics.items()}, "probe_equal": True,
+        metrics = {"step": step, **{k: round(v, 4) for k, v in metrics.items()}, "probe": compared,
                    "elapsed_s": round(time.monotonic() - start, 2)}
         curve.append(metrics)
         print(json.dumps(metrics), flush=True)

@@ -70,18 +70,24 @@ def main() -> int:
             # Generation never overlaps a refit: step s is generated with the weights of step s-1.
             if not (versions == held).all():
                 raise RuntimeError(f"step {batch.step}: rollouts from weights {sorted(set(versions.tolist()))}, expected {held}")
-            check_probe(batch.step, held, published, engine_probes)
+            compared = check_probe(batch.step, held, published, engine_probes)
 
             metrics = grpo.train_step(model, optimizer, rollouts, cfg, batch.step)
             refit = t.publish(batch.step)
             published = grpo.probe_logits(model, probe)
 
-            row = {"step": batch.step, **{k: round(v, 4) for k, v in metrics.items()}, "probe_equal": True,
+            # What was compared: `engines` probe logits computed with weights `version` by the
+            # engines, each equal bit for bit to the trainer's (check_probe raised otherwise).
+            row = {"step": batch.step, **{k: round(v, 4) for k, v in metrics.items()},
+                   "probe": {"version": held, "engines": compared},
                    "refit_s": round(refit.refit_s, 4), "elapsed_s": round(time.monotonic() - start, 2)}
             curve.append(row)
             print(json.dumps(row), flush=True)
 
     result = grpo.summarize(cfg, curve, wall_s=time.monotonic() - start)
+    # No engine generates after the last publish, so no probe compares that version: its
+    # delivery is checked only by the refit's digest (spec.refit.verify).
+    result["unprobed_version"] = curve[-1]["step"] if curve else 0
     print(json.dumps({k: v for k, v in result.items() if k != "curve"}), flush=True)
     if args.result:
         with open(args.result, "w") as f:
@@ -89,8 +95,9 @@ def main() -> int:
     return 0
 
 
-def check_probe(step: int, version: int, published: torch.Tensor, engine_probes: list[torch.Tensor]) -> None:
-    """Fails loudly unless every engine's probe logits equal the trainer's, bit for bit."""
+def check_probe(step: int, version: int, published: torch.Tensor, engine_probes: list[torch.Tensor]) -> int:
+    """Fails loudly unless every engine's probe logits equal the trainer's, bit for bit; returns how
+    many it compared."""
     if not engine_probes:
         raise RuntimeError(f"step {step}: the batch carries no probe logits from the engine")
     for p in engine_probes:
@@ -101,6 +108,7 @@ def check_probe(step: int, version: int, published: torch.Tensor, engine_probes:
                 f"(shapes {list(p.shape)} vs {list(published.shape)}, max |difference| {diff:.3g}): refit did not "
                 "deliver exactly the trainer's weights"
             )
+    return len(engine_probes)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def test_reference_is_deterministic_and_checks_the_probe(tmp_path):
         runs.append(json.loads(out.read_text()))
     strip = lambda r: [{k: v for k, v in row.items() if k != "elapsed_s"} for row in r["curve"]]  # noqa: E731
     assert strip(runs[0]) == strip(runs[1])
-    assert all(row["probe_equal"] for row in runs[0]["curve"])
+    assert all(row["probe"] == {"version": row["step"] - 1, "engines": 1} for row in runs[0]["curve"])
 
 
 @pytest.mark.skipif(not os.environ.get("TINY_GRPO_SLOW"), reason="set TINY_GRPO_SLOW=1 to run the full reference (about 15 s)")
@@ -151,7 +151,11 @@ def test_rlplane_run_learns_and_follows_the_reference(rlplane_bin, tmp_path):
     run = rlplane_local(rlplane_bin, EXAMPLE / "rljob.yaml", tmp_path / "result.json")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["steps"] == grpo.Config.steps and all(row["probe_equal"] for row in result["curve"])
+    assert result["steps"] == grpo.Config.steps
+    # Every step compared the engine's probe logits for the weights it generated with; only the
+    # last publish has no generation after it, and the result says so.
+    assert [row["probe"] for row in result["curve"]] == [{"version": s, "engines": 1} for s in range(grpo.Config.steps)]
+    assert result["unprobed_version"] == grpo.Config.steps
     assert result["first_reward"] < 0.15 and result["passed"], {k: v for k, v in result.items() if k != "curve"}
 
     # Refit moves the weights bit for bit and the columns restore the engine's order, so the
