@@ -545,6 +545,11 @@ pub struct RunPolicy {
     /// true deletes the pods and keeps the job (Suspended); false (re)creates them.
     #[serde(default)]
     pub suspend: bool,
+    /// Which pod failures count against `backoffLimit`: disruptions (eviction, preemption, a node
+    /// drain: the pod's `DisruptionTarget` condition) have a limit of their own by default, and
+    /// rules may restart without counting, count, or fail the job at once.
+    #[serde(default)]
+    pub failure_policy: FailurePolicy,
 }
 
 impl Default for RunPolicy {
@@ -554,8 +559,93 @@ impl Default for RunPolicy {
             active_deadline_seconds: None,
             ttl_seconds_after_finished: None,
             suspend: false,
+            failure_policy: FailurePolicy::default(),
         }
     }
+}
+
+/// How a failed pod is judged: the first rule that matches the gang's first failure decides;
+/// without a match, a disruption counts against `disruptionLimit` and any other failure against
+/// `backoffLimit`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FailurePolicy {
+    /// Gang restarts caused by disruptions (the pod's `DisruptionTarget` condition, or phase
+    /// Failed with reason Evicted) allowed before the job fails; they do not count against
+    /// `backoffLimit`.
+    #[serde(default = "default_disruption_limit")]
+    #[schemars(range(max = 10000))]
+    pub disruption_limit: u32,
+    /// Rules, checked in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 20))]
+    pub rules: Vec<FailureRule>,
+}
+
+impl Default for FailurePolicy {
+    fn default() -> Self {
+        FailurePolicy { disruption_limit: default_disruption_limit(), rules: Vec::new() }
+    }
+}
+
+/// What a matching rule does with the failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum FailureAction {
+    /// Restart the gang without counting the restart anywhere.
+    Ignore,
+    /// Restart the gang and count it against `backoffLimit` (a disruption too).
+    Count,
+    /// Fail the job at once (reason FailurePolicy), without a restart.
+    FailJob,
+}
+
+/// One rule: an action, and exactly one of `onExitCodes` and `onPodConditions`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.onExitCodes) != has(self.onPodConditions)").message("spec.runPolicy.failurePolicy.rules: give each rule exactly one of onExitCodes and onPodConditions"))]
+pub struct FailureRule {
+    /// What to do when the rule matches.
+    pub action: FailureAction,
+    /// Matches a container that terminated with one of (or none of) these non-zero exit codes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_exit_codes: Option<ExitCodesMatcher>,
+    /// Matches a pod with any of these conditions True (e.g. `DisruptionTarget`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 20))]
+    pub on_pod_conditions: Option<Vec<PodConditionMatcher>>,
+}
+
+/// Exit codes of a failed container (a container that exited 0 never matches).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.operator != 'In' || !self.values.exists(v, v == 0)").message("spec.runPolicy.failurePolicy.rules[].onExitCodes.values: 0 is no failure and cannot be matched with In"))]
+pub struct ExitCodesMatcher {
+    /// Only this container's exit code (by default any container of the pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_name: Option<String>,
+    /// `In`: the code is one of `values`; `NotIn`: it is none of them.
+    pub operator: ExitCodeOperator,
+    /// The exit codes.
+    #[schemars(length(min = 1, max = 255))]
+    pub values: Vec<i32>,
+}
+
+/// How `values` are matched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ExitCodeOperator {
+    /// The exit code is one of the values.
+    In,
+    /// The exit code is none of the values.
+    NotIn,
+}
+
+/// A pod condition type that must be True.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PodConditionMatcher {
+    /// The condition type, e.g. `DisruptionTarget`.
+    #[serde(rename = "type")]
+    #[schemars(length(min = 1, max = 316))]
+    pub type_: String,
 }
 
 /// Gang scheduling integration.
@@ -770,9 +860,15 @@ pub struct RLJobStatus {
     /// The spec generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Whole-gang restarts so far.
+    /// Whole-gang restarts so far (every kind, counted or not).
     #[serde(default)]
     pub restarts: u32,
+    /// Gang restarts counted against `runPolicy.backoffLimit` (failures no rule exempted).
+    #[serde(default)]
+    pub counted_restarts: u32,
+    /// Gang restarts caused by disruptions and counted against `failurePolicy.disruptionLimit`.
+    #[serde(default)]
+    pub disruptions: u32,
     /// Current epoch: 0 at the first start, +1 at every gang restart. Rendezvous tokens derive from it.
     #[serde(default)]
     pub epoch: u32,
@@ -834,6 +930,9 @@ fn default_response_tokens() -> TokenRange {
 }
 fn default_backoff_limit() -> u32 {
     3
+}
+fn default_disruption_limit() -> u32 {
+    10
 }
 fn default_metrics_port() -> u16 {
     9400

@@ -90,6 +90,38 @@ pub fn validate_job(job: &RLJob) -> Result<(), ValidationErrors> {
     c.finish()
 }
 
+/// `spec.runPolicy.failurePolicy`: the limit's range, and each rule well formed.
+fn failure_policy(p: &crate::FailurePolicy, c: &mut Collector) {
+    c.range("spec.runPolicy.failurePolicy.disruptionLimit", p.disruption_limit, 0, 10000);
+    if p.rules.len() > 20 {
+        c.err("spec.runPolicy.failurePolicy.rules", format!("{} rules; at most 20", p.rules.len()));
+    }
+    for (i, r) in p.rules.iter().enumerate() {
+        let path = format!("spec.runPolicy.failurePolicy.rules[{i}]");
+        if r.on_exit_codes.is_some() == r.on_pod_conditions.is_some() {
+            c.err(&path, "give exactly one of onExitCodes and onPodConditions");
+        }
+        if let Some(m) = &r.on_exit_codes {
+            if m.values.is_empty() || m.values.len() > 255 {
+                c.err(format!("{path}.onExitCodes.values"), "list 1 to 255 exit codes");
+            }
+            if m.operator == crate::ExitCodeOperator::In && m.values.contains(&0) {
+                c.err(format!("{path}.onExitCodes.values"), "0 is no failure and cannot be matched with In; remove it");
+            }
+        }
+        if let Some(conds) = &r.on_pod_conditions {
+            if conds.is_empty() || conds.len() > 20 {
+                c.err(format!("{path}.onPodConditions"), "list 1 to 20 condition types");
+            }
+            for (j, m) in conds.iter().enumerate() {
+                if m.type_.is_empty() {
+                    c.err(format!("{path}.onPodConditions[{j}].type"), "name a condition type, e.g. DisruptionTarget");
+                }
+            }
+        }
+    }
+}
+
 /// Validates a spec, returning every error found.
 pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     let mut c = Collector::default();
@@ -270,6 +302,7 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     if spec.run_policy.active_deadline_seconds == Some(0) {
         c.err("spec.runPolicy.activeDeadlineSeconds", "0 would fail the job at once; use at least 1 or remove it");
     }
+    failure_policy(&spec.run_policy.failure_policy, &mut c);
 
     // Scheduling.
     let s = &spec.scheduling;

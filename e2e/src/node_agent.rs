@@ -659,7 +659,11 @@ async fn report(pods: &Api<Pod>, state: &Arc<Mutex<State>>, uid: &str) {
         p.last_status = status.clone();
         status
     };
-    if let Err(e) = pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({"status": status}))).await {
+    // A strategic merge, as the kubelet's status manager does: conditions merge by type, so one
+    // the API server added (DisruptionTarget, from an eviction) stays.
+    if let Err(e) =
+        pods.patch_status(&name, &PatchParams::default(), &Patch::Strategic(json!({"status": status}))).await
+    {
         eprintln!("node agent: cannot report the status of pod {name}: {e}");
         if let Some(p) = state.lock().unwrap().pods.get_mut(uid) {
             p.last_status = serde_json::Value::Null;

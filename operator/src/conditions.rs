@@ -56,6 +56,10 @@ pub mod reasons {
     pub const INVALID_SPEC: &str = "InvalidSpec";
     /// Failed=True: a pod failed after `backoffLimit` restarts.
     pub const BACKOFF_LIMIT_EXCEEDED: &str = "BackoffLimitExceeded";
+    /// Failed: disruptions exhausted `runPolicy.failurePolicy.disruptionLimit`.
+    pub const DISRUPTION_LIMIT_EXCEEDED: &str = "DisruptionLimitExceeded";
+    /// Failed: a `failurePolicy` rule with action FailJob matched.
+    pub const FAILURE_POLICY: &str = "FailurePolicy";
     /// Failed=True: the job ran past `activeDeadlineSeconds`.
     pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
 }

@@ -23,6 +23,7 @@ use rlplane_api::{GangScheduler, Phase, RLJob, RLJobStatus, RoleCounts};
 use crate::conditions::{self, reasons};
 use crate::desired::{Desired, DesiredError, OperatorConfig, desired, labels, spec_hash};
 use crate::observe::{FailureKind, ObservedPod, PodFailure, observe, owned_by};
+use crate::policy::{Verdict, rule_clause};
 
 /// How long to wait before looking again when nothing else will trigger a reconcile: a safety
 /// net for missed watch events (kube-runtime's advice), not a polling loop.
@@ -400,6 +401,52 @@ impl<'a> Draft<'a> {
     }
 
     /// Tears the gang down for a new epoch: status first, then every pod, then `extra`.
+    /// The gang failed (`summary` names the pod and what happened): a restart, counted as the
+    /// failure policy's `verdict` says, or the end when its limit is reached or a rule fails the job.
+    fn failed(mut self, epoch: u32, kind: FailureKind, verdict: Verdict, summary: String) -> Decision {
+        let job = self.job;
+        let (limit, fp) = (job.spec.run_policy.backoff_limit, &job.spec.run_policy.failure_policy);
+        let next = epoch + 1;
+        let message = match verdict {
+            Verdict::FailJob { rule } => {
+                let message = format!("{summary}; the job fails ({})", rule_clause(fp, rule));
+                return self.end(Phase::Failed, reasons::FAILURE_POLICY, message, true);
+            }
+            Verdict::Ignore { rule } => {
+                format!("{summary}; gang restart with epoch {next}, not counted ({})", rule_clause(fp, rule))
+            }
+            Verdict::Disruption => {
+                let dlimit = fp.disruption_limit;
+                if self.old.disruptions >= dlimit {
+                    let message = format!(
+                        "{summary}; disruptionLimit {dlimit} reached after {} disruptions",
+                        self.old.disruptions
+                    );
+                    return self.end(Phase::Failed, reasons::DISRUPTION_LIMIT_EXCEEDED, message, true);
+                }
+                self.st.disruptions = self.old.disruptions + 1;
+                format!(
+                    "{summary}; gang restart with epoch {next}, a disruption: {}/{dlimit} of disruptionLimit",
+                    self.st.disruptions
+                )
+            }
+            Verdict::Count { rule } => {
+                if self.old.counted_restarts >= limit {
+                    let message =
+                        format!("{summary}; backoffLimit {limit} reached after {} restarts", self.old.counted_restarts);
+                    return self.end(Phase::Failed, reasons::BACKOFF_LIMIT_EXCEEDED, message, true);
+                }
+                self.st.counted_restarts = self.old.counted_restarts + 1;
+                let by = rule.map(|r| format!(" ({})", rule_clause(fp, r))).unwrap_or_default();
+                format!("{summary}; gang restart {}/{limit} with epoch {next}{by}", self.st.counted_restarts)
+            }
+        };
+        self.st.restarts = self.old.restarts + 1;
+        self.restart = Some(kind);
+        self.event(true, "GangRestart", "RestartGang", message.clone());
+        self.restart(next, kind.reason(), message, Vec::new())
+    }
+
     fn restart(mut self, new_epoch: u32, reason: &str, message: String, extra: Vec<Step>) -> Decision {
         self.st.epoch = new_epoch;
         self.set_phase(Phase::Restarting, Some(conditions::RESTARTING), reason, &message);
@@ -468,8 +515,13 @@ impl<'a> Draft<'a> {
             for p in &desired.pods {
                 let name = p.metadata.name.clone().unwrap_or_default();
                 if !current.iter().any(|c| c.name == name) {
-                    let failure =
-                        PodFailure { kind: FailureKind::PodDeleted, detail: "the pod is gone".into(), at: None };
+                    let failure = PodFailure {
+                        kind: FailureKind::PodDeleted,
+                        detail: "the pod is gone".into(),
+                        at: None,
+                        exit_codes: Vec::new(),
+                        conditions: Vec::new(),
+                    };
                     failures.push((name, failure));
                 }
             }
@@ -483,17 +535,8 @@ impl<'a> Draft<'a> {
                 n => format!(" (and {n} more pods failed)"),
             };
             let summary = format!("pod {pod}: {}{more}", first.detail);
-            let limit = policy.backoff_limit;
-            if self.old.restarts < limit {
-                let kind = first.kind;
-                self.st.restarts = self.old.restarts + 1;
-                let message = format!("{summary}; gang restart {}/{limit} with epoch {}", self.st.restarts, epoch + 1);
-                self.restart = Some(kind);
-                self.event(true, "GangRestart", "RestartGang", message.clone());
-                return self.restart(epoch + 1, kind.reason(), message, Vec::new());
-            }
-            let message = format!("{summary}; backoffLimit {limit} reached after {} restarts", self.old.restarts);
-            return self.end(Phase::Failed, reasons::BACKOFF_LIMIT_EXCEEDED, message, true);
+            let (kind, verdict) = (first.kind, crate::policy::judge(&policy.failure_policy, first));
+            return self.failed(epoch, kind, verdict, summary);
         }
 
         // From here on the gang lives: its objects are applied every time (drift is repaired),

@@ -11,6 +11,7 @@ pub mod desired;
 pub mod error;
 pub mod metrics;
 pub mod observe;
+pub mod policy;
 pub mod reconcile;
 pub mod run;
 pub mod server;

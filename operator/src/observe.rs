@@ -47,6 +47,18 @@ pub struct PodFailure {
     pub detail: String,
     /// When, where the pod says.
     pub at: Option<Timestamp>,
+    /// Non-zero exit codes of the pod's containers, by container name (the last termination of a
+    /// restarted one): what `failurePolicy` rules' `onExitCodes` match.
+    pub exit_codes: Vec<(String, i32)>,
+    /// The pod's condition types that are True: what rules' `onPodConditions` match.
+    pub conditions: Vec<String>,
+}
+
+impl PodFailure {
+    /// A disruption (eviction, preemption, drain, node shutdown) rather than a fault of the job.
+    pub fn disruption(&self) -> bool {
+        self.kind == FailureKind::PodEvicted
+    }
 }
 
 /// The facts the operator uses about one pod.
@@ -121,58 +133,80 @@ pub fn observe(pod: &Pod) -> ObservedPod {
 }
 
 fn failure(pod: &Pod, phase: &str) -> Option<PodFailure> {
+    let (kind, detail, at) = failure_kind(pod, phase)?;
+    let status = pod.status.as_ref();
+    let exit_codes = containers(pod)
+        .filter_map(|c| {
+            let now = c.state.as_ref().and_then(|s| s.terminated.as_ref());
+            let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+            let code = now.filter(|t| t.exit_code != 0).or(last.filter(|t| t.exit_code != 0))?.exit_code;
+            Some((c.name.clone(), code))
+        })
+        .collect();
+    let conditions = status
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|c| c.status == "True")
+        .map(|c| c.type_.clone())
+        .collect();
+    Some(PodFailure { kind, detail, at, exit_codes, conditions })
+}
+
+fn containers(pod: &Pod) -> impl Iterator<Item = &ContainerStatus> {
+    pod.status
+        .as_ref()
+        .into_iter()
+        .flat_map(|s| s.init_container_statuses.iter().flatten().chain(s.container_statuses.iter().flatten()))
+}
+
+/// Whether and how the pod failed: the kind, a detail and when.
+fn failure_kind(pod: &Pod, phase: &str) -> Option<(FailureKind, String, Option<Timestamp>)> {
     // A pod that succeeded did not fail, even when a native sidecar was stopped with SIGTERM
     // (the kubelet ignores sidecars' exit codes for the pod's phase, and so do we).
     if phase == "Succeeded" {
         return None;
     }
     let status = pod.status.as_ref();
-    let containers: Vec<&ContainerStatus> = status
-        .into_iter()
-        .flat_map(|s| s.init_container_statuses.iter().flatten().chain(s.container_statuses.iter().flatten()))
-        .collect();
-    let crashed = containers.iter().find_map(|c| crashed_container(c));
-    if phase == "Failed" {
-        let reason = status.and_then(|s| s.reason.clone()).unwrap_or_default();
-        let message = status.and_then(|s| s.message.clone()).unwrap_or_default();
-        if reason == "Evicted" {
-            return Some(PodFailure {
-                kind: FailureKind::PodEvicted,
-                detail: join("evicted", &message),
-                at: crashed.and_then(|(_, at)| at),
-            });
-        }
-        return Some(match crashed {
-            Some((detail, at)) => PodFailure { kind: FailureKind::ContainerFailed, detail, at },
-            None => PodFailure {
-                kind: FailureKind::PodFailed,
-                detail: join(
-                    &format!("phase Failed{}", if reason.is_empty() { String::new() } else { format!(" ({reason})") }),
-                    &message,
-                ),
-                at: None,
-            },
-        });
-    }
-    // A running pod with more than one container stays Running after one of them dies: a rank is
-    // gone either way.
-    if let Some((detail, at)) = crashed {
-        return Some(PodFailure { kind: FailureKind::ContainerFailed, detail, at });
-    }
-    // Preemption, the Eviction API, taint eviction and node shutdown mark the pod first.
+    let crashed = containers(pod).find_map(crashed_container);
+    // Preemption, the Eviction API, taint eviction and node shutdown mark the pod first; its
+    // containers then die of the SIGTERM that follows, which is not their fault.
     if let Some(c) = status
         .and_then(|s| s.conditions.as_ref())
         .and_then(|cs| cs.iter().find(|c| c.type_ == "DisruptionTarget" && c.status == "True"))
     {
         let what = c.reason.clone().unwrap_or_else(|| "DisruptionTarget".into());
-        return Some(PodFailure {
-            kind: FailureKind::PodEvicted,
-            detail: join(&format!("disrupted ({what})"), c.message.as_deref().unwrap_or_default()),
-            at: c.last_transition_time.as_ref().map(|t| t.0),
+        return Some((
+            FailureKind::PodEvicted,
+            join(&format!("disrupted ({what})"), c.message.as_deref().unwrap_or_default()),
+            c.last_transition_time.as_ref().map(|t| t.0),
+        ));
+    }
+    if phase == "Failed" {
+        let reason = status.and_then(|s| s.reason.clone()).unwrap_or_default();
+        let message = status.and_then(|s| s.message.clone()).unwrap_or_default();
+        if reason == "Evicted" {
+            return Some((FailureKind::PodEvicted, join("evicted", &message), crashed.and_then(|(_, at)| at)));
+        }
+        return Some(match crashed {
+            Some((detail, at)) => (FailureKind::ContainerFailed, detail, at),
+            None => (
+                FailureKind::PodFailed,
+                join(
+                    &format!("phase Failed{}", if reason.is_empty() { String::new() } else { format!(" ({reason})") }),
+                    &message,
+                ),
+                None,
+            ),
         });
     }
+    // A running pod with more than one container stays Running after one of them dies: a rank is
+    // gone either way.
+    if let Some((detail, at)) = crashed {
+        return Some((FailureKind::ContainerFailed, detail, at));
+    }
     if let Some(t) = &pod.metadata.deletion_timestamp {
-        return Some(PodFailure { kind: FailureKind::PodDeleted, detail: "the pod was deleted".into(), at: Some(t.0) });
+        return Some((FailureKind::PodDeleted, "the pod was deleted".into(), Some(t.0)));
     }
     None
 }

@@ -354,11 +354,7 @@ fn exhausting_the_backoff_limit_fails_the_job_naming_the_pod_and_the_reason() {
     assert_eq!((sim.status().phase, sim.status().epoch), (Phase::Running, 1));
 
     // The second failure is one too many.
-    let p = sim.pod("grpo-cpu-gen-0");
-    let st = p.status.get_or_insert_with(Default::default);
-    st.phase = Some("Failed".into());
-    st.reason = Some("Evicted".into());
-    st.message = Some("The node was low on resource: memory.".into());
+    fail_container(sim.pod("grpo-cpu-gen-0"), 137, "OOMKilled", 88);
     sim.now = t(90);
     let d = sim.step();
     assert_eq!(steps(&d), ["WriteStatus", "DeletePods", "Publish"]);
@@ -370,7 +366,7 @@ fn exhausting_the_backoff_limit_fails_the_job_naming_the_pod_and_the_reason() {
     assert_eq!((status.as_str(), reason.as_str()), ("True", "BackoffLimitExceeded"));
     assert_eq!(
         message,
-        "pod grpo-cpu-gen-0: evicted: The node was low on resource: memory.; backoffLimit 1 reached after 1 restarts"
+        "pod grpo-cpu-gen-0: container rlplane-worker exited with code 137 (OOMKilled); backoffLimit 1 reached after 1 restarts"
     );
     assert!(d.events().next().unwrap().warning);
 
@@ -382,6 +378,121 @@ fn exhausting_the_backoff_limit_fails_the_job_naming_the_pod_and_the_reason() {
     let d = sim.step();
     assert!(d.steps.is_empty(), "{:?}", steps(&d));
     assert_eq!(d.requeue_after, None);
+}
+
+/// Restarts the gang of `sim` once more (its pods gone, then all ready at the new epoch).
+fn run_again(sim: &mut Sim) {
+    sim.kubelet_gc();
+    sim.step();
+    sim.set_all_ready();
+    sim.step();
+}
+
+fn evict(p: &mut Pod) {
+    let st = p.status.get_or_insert_with(Default::default);
+    st.conditions.get_or_insert_with(Vec::new).push(PodCondition {
+        type_: "DisruptionTarget".into(),
+        status: "True".into(),
+        reason: Some("EvictionByEvictionAPI".into()),
+        message: Some("Eviction API: evicting".into()),
+        ..Default::default()
+    });
+    // The SIGTERM that follows kills the worker: not its fault.
+    st.container_statuses = Some(vec![terminated("rlplane-worker", 143, "Error", 40)]);
+}
+
+#[test]
+fn disruptions_do_not_burn_the_backoff_limit_and_have_a_limit_of_their_own() {
+    let mut j = job("rljob-cpu.yaml");
+    j.spec.run_policy.backoff_limit = 0;
+    j.spec.run_policy.failure_policy.disruption_limit = 2;
+    let mut sim = Sim::running(j);
+    for n in 1..=2 {
+        evict(sim.pod("grpo-cpu-gen-0"));
+        let d = sim.step();
+        assert_eq!(d.restart, Some(FailureKind::PodEvicted));
+        let st = sim.status();
+        assert_eq!((st.phase, st.restarts, st.counted_restarts, st.disruptions), (Phase::Restarting, n, 0, n));
+        let message = sim.condition(conditions::RESTARTING).2;
+        assert_eq!(
+            message,
+            format!(
+                "pod grpo-cpu-gen-0: disrupted (EvictionByEvictionAPI): Eviction API: evicting; gang restart with epoch {n}, a disruption: {n}/2 of disruptionLimit"
+            )
+        );
+        run_again(&mut sim);
+    }
+    evict(sim.pod("grpo-cpu-gen-1"));
+    sim.step();
+    let (status, reason, message) = sim.condition(conditions::FAILED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", reasons::DISRUPTION_LIMIT_EXCEEDED));
+    assert!(message.ends_with("; disruptionLimit 2 reached after 2 disruptions"), "{message}");
+}
+
+#[test]
+fn failure_policy_rules_ignore_count_or_fail_the_job_and_say_which_rule() {
+    use rlplane_api::{ExitCodeOperator, ExitCodesMatcher, FailureAction, FailureRule, PodConditionMatcher};
+    let rule = |action, values: &[i32]| FailureRule {
+        action,
+        on_exit_codes: Some(ExitCodesMatcher {
+            container_name: Some("rlplane-worker".into()),
+            operator: ExitCodeOperator::In,
+            values: values.to_vec(),
+        }),
+        on_pod_conditions: None,
+    };
+    let mut j = job("rljob-cpu.yaml");
+    j.spec.run_policy.backoff_limit = 1;
+    j.spec.run_policy.failure_policy.rules = vec![
+        rule(FailureAction::FailJob, &[42]),
+        rule(FailureAction::Ignore, &[75]),
+        FailureRule {
+            action: FailureAction::Count,
+            on_exit_codes: None,
+            on_pod_conditions: Some(vec![PodConditionMatcher { type_: "DisruptionTarget".into() }]),
+        },
+    ];
+    let mut sim = Sim::running(j);
+
+    // Ignore: a restart that counts nowhere.
+    fail_container(sim.pod("grpo-cpu-trainer-0"), 75, "Error", 31);
+    sim.step();
+    let st = sim.status();
+    assert_eq!((st.restarts, st.counted_restarts, st.disruptions), (1, 0, 0));
+    assert!(
+        sim.condition(conditions::RESTARTING)
+            .2
+            .ends_with("; gang restart with epoch 1, not counted (failurePolicy rule 1: Ignore)"),
+        "{:?}",
+        sim.condition(conditions::RESTARTING)
+    );
+    run_again(&mut sim);
+
+    // Count: this disruption counts against backoffLimit, as the rule says.
+    evict(sim.pod("grpo-cpu-gen-0"));
+    sim.step();
+    let st = sim.status();
+    assert_eq!((st.restarts, st.counted_restarts, st.disruptions), (2, 1, 0));
+    assert!(
+        sim.condition(conditions::RESTARTING)
+            .2
+            .ends_with("; gang restart 1/1 with epoch 2 (failurePolicy rule 2: Count)"),
+        "{:?}",
+        sim.condition(conditions::RESTARTING)
+    );
+    run_again(&mut sim);
+
+    // FailJob: at once, whatever is left of the limits.
+    fail_container(sim.pod("grpo-cpu-gen-1"), 42, "Error", 95);
+    let d = sim.step();
+    assert_eq!(d.restart, None);
+    let (status, reason, message) = sim.condition(conditions::FAILED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", reasons::FAILURE_POLICY));
+    assert_eq!(
+        message,
+        "pod grpo-cpu-gen-1: container rlplane-worker exited with code 42 (Error); the job fails (failurePolicy rule 0: FailJob)"
+    );
+    assert!(d.events().any(|e| e.warning), "a Warning event");
 }
 
 #[test]
