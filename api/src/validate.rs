@@ -302,6 +302,7 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     if spec.run_policy.active_deadline_seconds == Some(0) {
         c.err("spec.runPolicy.activeDeadlineSeconds", "0 would fail the job at once; use at least 1 or remove it");
     }
+    c.range("spec.runPolicy.terminationGracePeriodSeconds", spec.run_policy.termination_grace_period_seconds, 0, 3600);
     failure_policy(&spec.run_policy.failure_policy, &mut c);
 
     // Scheduling.

@@ -636,6 +636,7 @@ fn pod(
         hostname: Some(entry.name.clone()),
         subdomain: Some(headless_service_name(job_name)),
         restart_policy: Some("Never".into()),
+        termination_grace_period_seconds: Some(spec.run_policy.termination_grace_period_seconds.into()),
         scheduler_name: scheduler_name(job),
         priority_class_name: spec.scheduling.priority_class_name.clone(),
         node_selector: overrides.map(|o| o.node_selector.clone()).filter(|m| !m.is_empty()),

@@ -157,6 +157,18 @@ fn epochs_change_tokens_and_labels_but_not_names() {
 }
 
 #[test]
+fn pods_get_the_run_policys_grace_period_15_s_by_default() {
+    let mut j = job("rljob-cpu.yaml");
+    let grace = |j: &RLJob| {
+        let d = desired(j, 0, &cfg()).unwrap();
+        d.pods.iter().map(|p| p.spec.as_ref().unwrap().termination_grace_period_seconds).collect::<Vec<_>>()
+    };
+    assert!(grace(&j).iter().all(|g| *g == Some(15)), "{:?}", grace(&j));
+    j.spec.run_policy.termination_grace_period_seconds = 5;
+    assert!(grace(&j).iter().all(|g| *g == Some(5)), "{:?}", grace(&j));
+}
+
+#[test]
 fn an_invalid_spec_is_an_invalid_spec_error_with_every_message() {
     let mut j = job("rljob-cpu.yaml");
     j.spec.trainer.parallelism.data = 3;

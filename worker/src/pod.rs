@@ -197,6 +197,9 @@ async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -
         pod.context("which pod is this? set RLPLANE_POD (the operator sets it from metadata.name) or pass --pod")?;
     let pod_index = plan.pod_index(pod).map_err(|e: PlanError| anyhow::anyhow!(e))?;
     let procs = plan.processes_of_pod(pod_index);
+    // SIGTERM is handled from the start: a pod torn down while its ranks start (a gang restart
+    // right after the last one) must not wait out its whole grace period as PID 1 ignoring it.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let scratch = std::env::temp_dir().join(format!("rlplane-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).ok();
     let library_dir = crate::gpu::nccl_library_dir(&scratch);
@@ -215,18 +218,19 @@ async fn supervise_pod(plan: &WorkerPlan, plan_path: &Path, pod: Option<&str>) -
     // One /metrics for the pod: every rank's, merged (see crate::metrics).
     let metrics = crate::metrics::MergedMetrics::new(crate::metrics::JobLabels::of(plan).registry(&[]), Vec::new());
     let health = tokio::spawn(serve_health(health_addr, ready.clone(), metrics.clone()));
-    let readiness = sup.wait_ready(Duration::from_secs(300)).await;
-    if let Err(e) = readiness {
-        let msg = match e {
+    let readiness = tokio::select! {
+        r = sup.wait_ready(Duration::from_secs(300)) => r.map_err(|e| match e {
             crate::supervisor::ReadyError::Exited(x) => x.describe(),
             crate::supervisor::ReadyError::Timeout(names) => format!("not ready after 300s: {}", names.join(", ")),
-        };
+        }),
+        _ = term.recv() => Err("terminated (SIGTERM) while its ranks started".to_string()),
+    };
+    if let Err(msg) = readiness {
         sup.stop(Duration::from_secs(5)).await;
         anyhow::bail!("pod {pod}: {msg}");
     }
     metrics.set_children(children_metrics(&sup));
     ready.store(true, Ordering::Release);
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let outcome = loop {
         tokio::select! {
             e = sup.next_exit() => match e {
