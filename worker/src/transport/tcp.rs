@@ -529,8 +529,13 @@ impl TcpTransport {
     }
 
     async fn wait_io(&mut self, seq: u64, deadline: Instant) -> Result<(), TransportError> {
-        let start = Instant::now();
-        let waited = tokio::time::timeout_at(deadline, async {
+        let shared = &self.shared;
+        // A refit that stalls on a peer says so every few seconds, naming it and the bucket.
+        let what = || {
+            let (op, peer, bucket) = shared.activity();
+            format!("{} with {peer}", op.describe(bucket))
+        };
+        let waited = crate::patience::wait_reporting(deadline, what, async {
             self.progress.wait_for(|p| p.done >= seq || p.error.is_some()).await.map(|p| (p.done, p.error.clone()))
         })
         .await;
@@ -538,12 +543,12 @@ impl TcpTransport {
             Ok(Ok((done, _))) if done >= seq => Ok(()),
             Ok(Ok((_, error))) => Err(error.expect("the wait ended on an error")),
             Ok(Err(_)) => Err(self.ended_error()),
-            Err(_) => {
+            Err(waited) => {
                 let (op, peer, bucket) = self.shared.activity();
                 Err(TransportError::Timeout {
                     peer: peer.to_string(),
                     what: op.describe(bucket),
-                    secs: start.elapsed().as_secs_f64(),
+                    secs: waited.as_secs_f64(),
                 })
             }
         }
