@@ -335,9 +335,10 @@ async fn scrape_and_query(c: &Cluster, port: u16, dir: &Path) -> anyhow::Result<
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let start = unix_now();
-    // Long enough to be discovered (Prometheus applies new targets at most every 5 s) and scraped
-    // for a while: ~0.1 s a step here.
-    let name = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 200"))?;
+    // A job that outlives the test: it must be discovered (Prometheus applies new targets at most
+    // every 5 s) and scraped for a while however fast the machine runs its steps (200 steps took
+    // 5 s on one run: done before its pods were ever discovered). The namespace's clean-up ends it.
+    let name = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 1000000"))?;
     c.wait(&name, "Running", |j| phase_of(j).is_some_and(|p| p == Phase::Running || p.is_finished())).await?;
     // Every pod of the job is a target, discovered through the API server, and scraped.
     let pods = c.env.pods_of(&name).await?.len();
@@ -367,7 +368,10 @@ async fn scrape_and_query(c: &Cluster, port: u16, dir: &Path) -> anyhow::Result<
         );
         assert_eq!(t["labels"]["epoch"], "0", "the PodMonitor's relabelling keeps the epoch: {t}");
     }
-    c.wait(&name, "Succeeded", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
+    // Twenty more steps while every pod is a target: refits and queue traffic, scraped.
+    let from = c.env.jobs().get(&name).await?.status.and_then(|s| s.step).unwrap_or(0);
+    c.wait(&name, "20 more steps", |j| j.status.as_ref().and_then(|s| s.step).is_some_and(|s| s >= from + 20)).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let end = unix_now() + 1.0;
 
     // The dashboard's refit-latency and transfer-queue panels, for this job.
