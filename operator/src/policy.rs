@@ -57,7 +57,7 @@ fn matches(rule: &FailureRule, failure: &PodFailure) -> bool {
         });
     }
     if let Some(conds) = &rule.on_pod_conditions {
-        return conds.iter().any(|c| failure.conditions.iter().any(|t| *t == c.type_));
+        return conds.iter().any(|c| failure.conditions.contains(&c.type_));
     }
     false
 }
