@@ -336,6 +336,7 @@ impl ControlServer {
         // Each handshake on its own task: a connection that never speaks (a port scanner, a peer
         // that hung after connecting) holds up nobody but itself.
         let mut handshakes = tokio::task::JoinSet::new();
+        let known: std::sync::Arc<HashSet<String>> = std::sync::Arc::new(expected.iter().cloned().collect());
         let mut patience = Patience::new("connecting");
         let missing = |streams: &[Option<TcpStream>]| -> Vec<String> {
             expected.iter().zip(streams).filter(|(_, s)| s.is_none()).map(|(n, _)| n.clone()).collect()
@@ -348,7 +349,7 @@ impl ControlServer {
                         source: NetError::io("accepting rank connections", "control listener", e),
                     })?;
                     net::tune(&stream);
-                    let (auth, known) = (auth.clone(), index.keys().cloned().collect::<HashSet<String>>());
+                    let (auth, known) = (auth.clone(), known.clone());
                     handshakes.spawn(async move {
                         let hello = net::accept_hello(&mut stream, &auth, MAGIC, VERSION, deadline, |h| {
                             if known.contains(&h.peer) {
