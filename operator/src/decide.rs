@@ -400,7 +400,6 @@ impl<'a> Draft<'a> {
         self.finish(None)
     }
 
-    /// Tears the gang down for a new epoch: status first, then every pod, then `extra`.
     /// The gang failed (`summary` names the pod and what happened): a restart, counted as the
     /// failure policy's `verdict` says, or the end when its limit is reached or a rule fails the job.
     fn failed(mut self, epoch: u32, kind: FailureKind, verdict: Verdict, summary: String) -> Decision {
@@ -447,6 +446,7 @@ impl<'a> Draft<'a> {
         self.restart(next, kind.reason(), message, Vec::new())
     }
 
+    /// Tears the gang down for a new epoch: status first, then every pod, then `extra`.
     fn restart(mut self, new_epoch: u32, reason: &str, message: String, extra: Vec<Step>) -> Decision {
         self.st.epoch = new_epoch;
         self.set_phase(Phase::Restarting, Some(conditions::RESTARTING), reason, &message);

@@ -624,8 +624,7 @@ impl Observer for Arc<Ui> {
             }
             Progress::Stalled(Some(stall)) => {
                 if let Some((_, bar)) = &self.bars {
-                    let who = stall.waiting_for.join(", ");
-                    bar.set_message(format!("{}: waiting {:.0}s for {who}", stall.phase, stall.seconds));
+                    bar.set_message(stall.message());
                 }
             }
             Progress::Stalled(None) => {}

@@ -28,6 +28,13 @@ pub struct Stall {
     pub seconds: f64,
 }
 
+impl Stall {
+    /// `<phase>: waiting <seconds>s for <ranks>`, as the job's status and `rlplane local` show it.
+    pub fn message(&self) -> String {
+        format!("{}: waiting {:.0}s for {}", self.phase, self.seconds, self.waiting_for.join(", "))
+    }
+}
+
 /// Where the coordinator's stalls go (the job's status, through the coordinator's observer):
 /// the current stall, `None` while nothing is.
 pub type StallSender = watch::Sender<Option<Stall>>;

@@ -53,10 +53,7 @@ pub fn status_patch(now: &CoordinatorStatus) -> serde_json::Value {
                 "phase": stall.phase,
                 "waitingFor": stall.waiting_for,
                 "seconds": stall.seconds.round() as u64,
-                "message": format!(
-                    "{}: waiting {:.0}s for {}",
-                    stall.phase, stall.seconds, stall.waiting_for.join(", ")
-                ),
+                "message": stall.message(),
             }),
         );
     }
