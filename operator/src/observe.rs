@@ -160,6 +160,16 @@ fn containers(pod: &Pod) -> impl Iterator<Item = &ContainerStatus> {
         .flat_map(|s| s.init_container_statuses.iter().flatten().chain(s.container_statuses.iter().flatten()))
 }
 
+/// Whether the pod's regular containers (not its init containers or native sidecars) have all
+/// terminated with exit code 0.
+fn regular_containers_succeeded(pod: &Pod) -> bool {
+    let regular = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    regular.is_some_and(|cs| {
+        !cs.is_empty()
+            && cs.iter().all(|c| c.state.as_ref().and_then(|s| s.terminated.as_ref()).is_some_and(|t| t.exit_code == 0))
+    })
+}
+
 /// Whether and how the pod failed: the kind, a detail and when.
 fn failure_kind(pod: &Pod, phase: &str) -> Option<(FailureKind, String, Option<Timestamp>)> {
     // A pod that succeeded did not fail, even when a native sidecar was stopped with SIGTERM
@@ -168,7 +178,13 @@ fn failure_kind(pod: &Pod, phase: &str) -> Option<(FailureKind, String, Option<T
         return None;
     }
     let status = pod.status.as_ref();
-    let crashed = containers(pod).find_map(crashed_container);
+    // Once every regular container has exited 0 the kubelet stops the native sidecars (SIGTERM)
+    // and the pod completes as Succeeded: a sidecar's exit in between says nothing.
+    let crashed = if regular_containers_succeeded(pod) {
+        None
+    } else {
+        containers(pod).find_map(crashed_container)
+    };
     // Preemption, the Eviction API, taint eviction and node shutdown mark the pod first; its
     // containers then die of the SIGTERM that follows, which is not their fault.
     if let Some(c) = status

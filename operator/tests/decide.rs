@@ -649,6 +649,30 @@ fn the_coordinator_succeeding_is_the_jobs_success_and_the_rest_is_torn_down() {
 }
 
 #[test]
+fn a_sidecar_stopped_after_the_users_containers_exited_0_is_the_pod_completing_not_a_failure() {
+    // The kubelet's order on a real node: the regular containers exit 0, the kubelet stops the
+    // native sidecar (which may exit non-zero), and only then is the pod's phase Succeeded.
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    let st = sim.pod("grpo-cpu-gen-1").status.as_mut().unwrap();
+    st.container_statuses = Some(vec![terminated("generate", 0, "Completed", 70)]);
+    st.init_container_statuses = Some(vec![terminated("rlplane-worker", 1, "Error", 71)]);
+    sim.now = t(72);
+    let d = sim.step();
+    assert_eq!(d.restart, None, "{:?}", steps(&d));
+    assert_eq!(sim.status().phase, Phase::Running);
+
+    // The same sidecar exit while a user container still runs is a rank gone: the gang restarts.
+    let st = sim.pod("grpo-cpu-gen-1").status.as_mut().unwrap();
+    st.container_statuses.as_mut().unwrap().push(ContainerStatus {
+        name: "generate-2".into(),
+        state: Some(ContainerState { running: Some(Default::default()), ..Default::default() }),
+        ..Default::default()
+    });
+    let d = sim.step();
+    assert!(d.restart.is_some(), "{:?}", steps(&d));
+}
+
+#[test]
 fn suspend_deletes_everything_but_the_job_and_resume_recreates_the_gang() {
     let mut sim = Sim::running(job("rljob-cpu.yaml"));
     sim.job.spec.run_policy.suspend = true;

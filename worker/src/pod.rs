@@ -128,6 +128,10 @@ pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> 
     let me = plan.process_index(name).with_context(|| format!("process `{name}` is not in the plan"))?;
     if plan.process(me).role == ProcessRole::Coordinator {
         let auth = crate::net::JobAuth::for_plan(plan)?;
+        // A SIGTERM once the job is done (the kubelet stopping the sidecar after the user's
+        // trainer exited) must not cut the last step's status report off; before that it ends
+        // the run.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let (control, tq) = bind_coordinator(plan).await?;
         let mut registry = crate::metrics::JobLabels::of(plan).registry(&[]);
         let metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
@@ -137,7 +141,10 @@ pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> 
         let reporter = crate::status::StatusReporter::in_cluster(&plan.job.namespace, &plan.job.name).await;
         let observer = crate::status::ReportingObserver { inner: LogObserver, reporter };
         let observed = crate::metrics::MetricsObserver { inner: &observer, metrics };
-        let record = coordinator::run(plan, &auth, control, tq, &observed).await?;
+        let record = tokio::select! {
+            r = coordinator::run(plan, &auth, control, tq, &observed) => r?,
+            _ = term.recv() => anyhow::bail!("terminated (SIGTERM) before the job finished"),
+        };
         drop(observed);
         // The last step's report goes out before the pod exits.
         if let Some(r) = observer.reporter {
