@@ -180,11 +180,7 @@ fn failure_kind(pod: &Pod, phase: &str) -> Option<(FailureKind, String, Option<T
     let status = pod.status.as_ref();
     // Once every regular container has exited 0 the kubelet stops the native sidecars (SIGTERM)
     // and the pod completes as Succeeded: a sidecar's exit in between says nothing.
-    let crashed = if regular_containers_succeeded(pod) {
-        None
-    } else {
-        containers(pod).find_map(crashed_container)
-    };
+    let crashed = if regular_containers_succeeded(pod) { None } else { containers(pod).find_map(crashed_container) };
     // Preemption, the Eviction API, taint eviction and node shutdown mark the pod first; its
     // containers then die of the SIGTERM that follows, which is not their fault.
     if let Some(c) = status
