@@ -12,6 +12,7 @@
 
 pub mod jobs;
 pub mod node_agent;
+pub mod real_node;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,125 @@
+//! The test cluster's real node (e2e/cluster/node: kubelet, containerd, CNI, kube-proxy, CoreDNS):
+//! namespaces whose pods run there as containers, and the project's images loaded into its
+//! runtime from the repository's Dockerfile (e2e/cluster/images).
+//!
+//! The node is tainted so that the fake-node tests' pods never land on it; a namespace made by
+//! [`namespace`] tolerates the taint and selects the node through the API server's
+//! PodNodeSelector and PodTolerationRestriction admission plugins, so that every pod created in it
+//! (a Deployment's, an RLJob's) runs there unchanged.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use rlplane_operator::cluster::TOOL_FIELD_MANAGER;
+use serde_json::json;
+
+use crate::{REQUIRED_ENV, workspace};
+
+/// The label and taint key of the real node (e2e/cluster/node.env).
+pub const NODE_KEY: &str = "rlplane.dev/real-node";
+
+/// The real node and its container runtime.
+pub struct RealNode {
+    /// The Node's name.
+    pub name: String,
+    /// containerd's socket (images are loaded through it: no registry is reachable).
+    pub containerd_socket: PathBuf,
+}
+
+impl RealNode {
+    /// The cluster's Ready real node; None (after saying why) when it has none, an error when
+    /// [`REQUIRED_ENV`] is `1`.
+    pub async fn find(client: &Client) -> anyhow::Result<Option<RealNode>> {
+        let nodes: Api<Node> = Api::all(client.clone());
+        let listed = nodes.list(&ListParams::default().labels(&format!("{NODE_KEY}=true"))).await?;
+        let ready = listed.items.iter().find(|n| {
+            let conditions = n.status.as_ref().and_then(|s| s.conditions.as_ref());
+            conditions.is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        });
+        let kubeconfig = std::env::var_os("KUBECONFIG").map(PathBuf::from);
+        let socket = kubeconfig.as_deref().and_then(|k| k.parent()).map(|d| d.join("node/containerd/containerd.sock"));
+        match (ready, socket) {
+            (Some(node), Some(socket)) if socket.exists() => {
+                Ok(Some(RealNode { name: node.name_any(), containerd_socket: socket }))
+            }
+            _ => {
+                let why = "the cluster has no real node (e2e/cluster/up starts one when run as root)";
+                if std::env::var(REQUIRED_ENV).as_deref() == Ok("1") {
+                    bail!("{REQUIRED_ENV}=1 but {why}");
+                }
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Builds the project's images from its Dockerfile (e2e/cluster/images, cached: a rebuild
+    /// happens only when the binaries, the client or the Dockerfile changed) and loads them into
+    /// the node's runtime; returns the images' names. The binaries are the ones the suite tests
+    /// (`$RLPLANE_WORKER_BIN`, `$RLPLANE_OPERATOR_BIN`, else cargo's debug build) without their
+    /// debug info, not a separate release build (minutes on 2 cores). One test at a time builds:
+    /// the others wait and reuse the result.
+    pub fn load_images(&self) -> anyhow::Result<Vec<String>> {
+        static BUILD: Mutex<()> = Mutex::new(());
+        let _one = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+        let binaries = crate::jobs::test_files().join("image-bin");
+        std::fs::create_dir_all(&binaries)?;
+        for (var, binary) in [("RLPLANE_WORKER_BIN", "rlplane"), ("RLPLANE_OPERATOR_BIN", "rlplane-operator")] {
+            let built = rlplane_operator::cluster::built_binary(&workspace(), var, binary, binary)?;
+            let out = std::process::Command::new("strip")
+                .arg("--strip-debug")
+                .arg("-o")
+                .arg(binaries.join(binary))
+                .arg(&built)
+                .output()
+                .context("cannot run strip (binutils)")?;
+            anyhow::ensure!(
+                out.status.success(),
+                "strip {}: {}",
+                built.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let script = workspace().join("e2e/cluster/images");
+        let out = std::process::Command::new(&script)
+            .arg("--load")
+            .arg(&self.containerd_socket)
+            .env("RLPLANE_IMAGE_BINARIES", &binaries)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("cannot run {}", script.display()))?;
+        if !out.status.success() {
+            bail!("{} failed (its output is above)", script.display());
+        }
+        let listed = String::from_utf8_lossy(&out.stdout);
+        Ok(listed.lines().filter_map(|l| l.split_whitespace().next()).map(str::to_string).collect())
+    }
+}
+
+/// A fresh namespace (labelled like every e2e namespace) whose pods all run on the real node.
+pub async fn namespace(client: &Client, test: &str) -> anyhow::Result<String> {
+    let suffix = k8s_openapi::jiff::Timestamp::now().as_millisecond() % 1_000_000;
+    let name = format!("rlplane-e2e-{test}-{suffix}");
+    let tolerations = json!([{"key": NODE_KEY, "operator": "Exists", "effect": "NoSchedule"}]).to_string();
+    let ns = json!({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {
+            "name": name,
+            "labels": {crate::E2E_LABEL: "true"},
+            "annotations": {
+                "scheduler.alpha.kubernetes.io/node-selector": format!("{NODE_KEY}=true"),
+                "scheduler.alpha.kubernetes.io/defaultTolerations": tolerations,
+            },
+        },
+    });
+    Api::<Namespace>::all(client.clone())
+        .patch(&name, &PatchParams::apply(TOOL_FIELD_MANAGER), &Patch::Apply(ns))
+        .await
+        .with_context(|| format!("cannot create namespace {name}"))?;
+    Ok(name)
+}
