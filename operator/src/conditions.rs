@@ -42,6 +42,9 @@ pub mod reasons {
     pub const PODS_NOT_READY: &str = "PodsNotReady";
     /// PodsReady=False: the scheduler cannot place some pods (the message quotes it).
     pub const UNSCHEDULABLE: &str = "Unschedulable";
+    /// PodsReady=False: a container cannot start (its image cannot be pulled, its config refers
+    /// to something missing…; the message names the pod, the container and the kubelet's reason).
+    pub const CONTAINERS_NOT_STARTING: &str = "ContainersNotStarting";
     /// Restarting=True after a spec change.
     pub const SPEC_CHANGED: &str = "SpecChanged";
     /// Restarting=False once the new epoch's pods exist.

@@ -645,6 +645,17 @@ impl<'a> Draft<'a> {
                     reasons::UNSCHEDULABLE,
                     &format!("{n_ready}/{n} pods ready; {unplaced} cannot be scheduled (pod {pod}: {why})"),
                 );
+            } else if let Some((pod, why)) =
+                current.iter().find_map(|c| c.not_starting.as_ref().map(|why| (&c.name, why)))
+            {
+                // Pods that will not start by themselves (an image that cannot be pulled, say):
+                // the gang waits, as a Job's pods do; the condition says which and why.
+                self.set(
+                    conditions::PODS_READY,
+                    false,
+                    reasons::CONTAINERS_NOT_STARTING,
+                    &format!("{n_ready}/{n} pods ready; pod {pod}: {why}"),
+                );
             } else {
                 self.set(conditions::PODS_READY, false, reasons::PODS_NOT_READY, &format!("{n_ready}/{n} pods ready"));
             }

@@ -87,6 +87,30 @@ pub struct ObservedPod {
     /// The scheduler's word when it cannot place the pod (`PodScheduled=False`, reason
     /// `Unschedulable`), e.g. `0/4 nodes are available: 4 Insufficient nvidia.com/gpu.`
     pub unschedulable: Option<String>,
+    /// A container (or init container) the kubelet cannot start, in its words: `container
+    /// trainer: ErrImageNeverPull: Container image "…" is not present with pull policy of Never`.
+    pub not_starting: Option<String>,
+}
+
+/// The kubelet's reasons for a waiting container that mean it will not start by itself soon: the
+/// image cannot be had, or the container's config or runtime refuses it.
+const NOT_STARTING: [&str; 7] = [
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "ErrImageNeverPull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+];
+
+/// The first container of `pod` waiting for one of the [`NOT_STARTING`] reasons, in words.
+fn not_starting(pod: &Pod) -> Option<String> {
+    containers(pod).find_map(|c| {
+        let w = c.state.as_ref()?.waiting.as_ref()?;
+        let reason = w.reason.as_deref().filter(|r| NOT_STARTING.contains(r))?;
+        Some(join(&format!("container {}: {reason}", c.name), w.message.as_deref().unwrap_or_default()))
+    })
 }
 
 /// Whether `pod` is controlled by the RLJob with `uid` (a user's pod that merely carries the
@@ -129,6 +153,7 @@ pub fn observe(pod: &Pod) -> ObservedPod {
                 })
             })
             .map(|c| c.message.clone().unwrap_or_default()),
+        not_starting: not_starting(pod),
     }
 }
 

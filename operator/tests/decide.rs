@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{
-    ContainerState, ContainerStateTerminated, ContainerStatus, Pod, PodCondition, PodStatus,
+    ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus, Pod, PodCondition, PodStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -284,6 +284,36 @@ fn pods_the_scheduler_cannot_place_say_so_in_pods_ready() {
             "False".into(),
             reasons::UNSCHEDULABLE.into(),
             format!("0/3 pods ready; 1 cannot be scheduled (pod grpo-cpu-gen-1: {why})")
+        )
+    );
+}
+
+#[test]
+fn a_container_that_cannot_start_says_which_pod_and_why_in_pods_ready() {
+    let mut sim = Sim::new(job("rljob-cpu.yaml"));
+    sim.step();
+    let why = "Container image \"ghcr.io/rlplane/nope:0\" is not present with pull policy of Never";
+    sim.pod("grpo-cpu-trainer-0").status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+        name: "rlplane-worker".into(),
+        state: Some(ContainerState {
+            waiting: Some(ContainerStateWaiting {
+                reason: Some("ErrImageNeverPull".into()),
+                message: Some(why.into()),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }]);
+    sim.now = t(10);
+    let d = sim.step();
+    assert_eq!(sim.status().phase, Phase::Starting, "no failure: the gang waits, as a Job's pods do");
+    assert_eq!(d.restart, None);
+    assert_eq!(
+        sim.condition(conditions::PODS_READY),
+        (
+            "False".into(),
+            reasons::CONTAINERS_NOT_STARTING.into(),
+            format!("0/3 pods ready; pod grpo-cpu-trainer-0: container rlplane-worker: ErrImageNeverPull: {why}")
         )
     );
 }
