@@ -249,5 +249,119 @@ async fn scenario(
             p.name_any()
         );
     }
+    faults(client, ns, node, client_image).await?;
+    bad_input(client, ns, client_image).await
+}
+
+/// The job's status: (phase, epoch, restarts, step).
+async fn progress(jobs: &Api<RLJob>, name: &str) -> anyhow::Result<Option<(Option<Phase>, u32, u32, u64)>> {
+    let j = jobs.get_opt(name).await?;
+    Ok(j.map(|j| {
+        let st = j.status.clone().unwrap_or_default();
+        (phase_of(&j), st.epoch, st.restarts, st.step.unwrap_or(0))
+    }))
+}
+
+/// Faults on real containers during one job of the user's containers: the trainer's container
+/// killed by the runtime (SIGKILL through containerd), a worker pod deleted, and the operator's
+/// leader pod killed while the gang restarts. Each is a gang restart with a new epoch; the job
+/// still runs every step to Succeeded.
+async fn faults(client: &Client, ns: &str, node: &RealNode, client_image: &str) -> anyhow::Result<()> {
+    let jobs: Api<RLJob> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let steps = 200;
+    let manifest = user_containers_job("real-faults", client_image).replace("steps: 3,", &format!("steps: {steps},"));
+    ok("kubectl apply", kubectl_stdin(&["apply", "-n", ns, "-f", "-"], &manifest)?)?;
+    // Pod names are the same in every epoch, and status.step keeps the last epoch's step until
+    // the new gang reports: a new epoch has started running once its step differs from `after`.
+    let reached = |epoch: u32, after: Option<u64>| {
+        let jobs = jobs.clone();
+        move || {
+            let jobs = jobs.clone();
+            async move {
+                let p = progress(&jobs, "real-faults").await?;
+                Ok(p.filter(|p| p.1 == epoch && p.3 >= 5 && after.is_none_or(|a| p.3 != a)))
+            }
+        }
+    };
+
+    // 1. The trainer's user container killed under the kubelet: the pod fails, the gang restarts.
+    let at = until("epoch 0 running", RUN, reached(0, None)).await?;
+    let trainer = pods.get("real-faults-trainer-0").await?;
+    let id = trainer
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == "train").and_then(|c| c.container_id.clone()));
+    let id = id.context("no container id for train")?;
+    let id = id.trim_start_matches("containerd://");
+    let socket = node.containerd_socket.to_string_lossy();
+    let out = std::process::Command::new("ctr")
+        .args(["-a", &socket, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", id])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "ctr tasks kill: {}", String::from_utf8_lossy(&out.stderr));
+    println!("faults: at step {} the trainer's container was killed (SIGKILL through containerd)", at.3);
+
+    // 2. A worker pod of the next epoch deleted.
+    let at = until("epoch 1 running", RUN, reached(1, Some(at.3))).await?;
+    let gen0 = pods.get("real-faults-gen-0").await?;
+    let epoch = gen0.labels().get("rlplane.dev/epoch").cloned();
+    assert_eq!(epoch.as_deref(), Some("1"), "the pod to delete is epoch 1's");
+    ok("kubectl delete pod", kubectl(&["delete", "pod", "-n", ns, "real-faults-gen-0", "--wait=false"])?)?;
+    println!("faults: at step {} of epoch 1 the pod real-faults-gen-0 was deleted", at.3);
+
+    // 3. The operator's leader killed while it restarts the gang.
+    let leader_now = until("a leader", Duration::from_secs(30), || leader(client, ns)).await?;
+    ok("kubectl delete pod", kubectl(&["delete", "pod", "-n", ns, &leader_now, "--grace-period=0", "--force"])?)?;
+    println!("faults: the operator's leader {leader_now} was killed during the gang restart");
+
+    let done = until("the job finishing", RUN, || async {
+        Ok(progress(&jobs, "real-faults").await?.filter(|p| matches!(p.0, Some(Phase::Succeeded | Phase::Failed))))
+    })
+    .await?;
+    let job = jobs.get("real-faults").await?;
+    let st = job.status.as_ref().context("a status")?;
+    println!("faults: {:?} after {} restarts (epoch {}), step {}", done.0, st.restarts, st.epoch, done.3);
+    assert_eq!(done.0, Some(Phase::Succeeded), "{:?}", st.conditions);
+    assert_eq!(st.restarts, 2, "one gang restart per fault (the operator's own restart is none)");
+    assert_eq!(done.3, steps, "every step of the last epoch reported");
+    Ok(())
+}
+
+/// What a user sees for two mistakes: an image the node cannot have (the gang waits, PodsReady
+/// names the pod, the container and the kubelet's reason), and a user container exiting non-zero
+/// (the job fails naming the container and its exit code).
+async fn bad_input(client: &Client, ns: &str, client_image: &str) -> anyhow::Result<()> {
+    let jobs: Api<RLJob> = Api::namespaced(client.clone(), ns);
+    let missing = cpu_job("real-no-image")?.replacen(
+        "  trainer:\n",
+        "  trainer:\n    image: ghcr.io/rlplane/rlplane-worker:no-such-tag\n",
+        1,
+    );
+    ok("kubectl apply", kubectl_stdin(&["apply", "-n", ns, "-f", "-"], &missing)?)?;
+    let (_, _, message) =
+        until("PodsReady naming the image that cannot be pulled", Duration::from_secs(60), || async {
+            let j = jobs.get_opt("real-no-image").await?;
+            Ok(j.as_ref()
+                .and_then(|j| rlplane_e2e::condition(j, "PodsReady"))
+                .filter(|(_, reason, _)| reason == "ContainersNotStarting"))
+        })
+        .await?;
+    println!("an image that cannot be pulled: PodsReady=False ContainersNotStarting: {message}");
+    assert!(message.contains("pod real-no-image-trainer-0") && message.contains("ErrImageNeverPull"), "{message}");
+    assert!(message.contains("no-such-tag"), "{message}");
+    ok("kubectl delete rlj", kubectl(&["delete", "rlj", "real-no-image", "-n", ns])?)?;
+
+    let failing = user_containers_job("real-exit", client_image)
+        .replace("/scripts/trainer.py, --report, /tmp", "/scripts/no-such-script.py")
+        .replacen("spec:\n", "spec:\n  runPolicy: {backoffLimit: 0}\n", 1);
+    ok("kubectl apply", kubectl_stdin(&["apply", "-n", ns, "-f", "-"], &failing)?)?;
+    let job = until("the job failing", RUN, || async {
+        Ok(jobs.get_opt("real-exit").await?.filter(|j| phase_of(j) == Some(Phase::Failed)))
+    })
+    .await?;
+    let (_, reason, message) = rlplane_e2e::condition(&job, "Failed").context("a Failed condition")?;
+    println!("a user container exiting non-zero: Failed {reason}: {message}");
+    assert!(message.contains("container train exited with code 1"), "{message}");
     Ok(())
 }
