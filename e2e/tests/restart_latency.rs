@@ -1,0 +1,169 @@
+//! Gang restart latency on the real node (issue 28's "restart in seconds"): a long CPU job's
+//! worker container is killed through containerd, ten times; for each restart the benchmark
+//! records, on this machine's clock, when the operator started the new epoch (status), when the
+//! last pod of the old epoch was gone from the API server, and when every pod of the new epoch
+//! was Running. It prints each restart and p50/p99, and whether the new gang ran within 2 s of the
+//! old one's termination. A benchmark, not a test: it asserts no time, and is ignored by default.
+//!
+//!   export KUBECONFIG=$(e2e/cluster/up)
+//!   cargo test -p rlplane-e2e --test restart_latency -- --ignored --nocapture
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, DeleteParams, ListParams};
+use kube::{Client, ResourceExt};
+use rlplane_api::RLJob;
+use rlplane_e2e::real_node::{self, RealNode};
+use rlplane_e2e::{epoch_of, kubectl_stdin, skip_without_cluster, workspace};
+use rlplane_operator::cluster::{OperatorProcess, install_crd, operator_binary};
+use rlplane_operator::desired::{WORKER_CONTAINER, labels};
+
+const ROUNDS: usize = 10;
+const JOB: &str = "restarts";
+
+/// One restart, in seconds after the kill.
+struct Round {
+    new_epoch: f64,
+    old_gone: f64,
+    new_running: f64,
+}
+
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// The pods of the job at `epoch`.
+fn of_epoch(pods: &[Pod], epoch: u32) -> Vec<&Pod> {
+    let e = epoch.to_string();
+    pods.iter().filter(|p| p.labels().get(labels::EPOCH) == Some(&e)).collect()
+}
+
+fn running(p: &Pod) -> bool {
+    p.metadata.deletion_timestamp.is_none() && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+}
+
+/// Kills the worker container of `pod` through containerd.
+fn kill_worker(node: &RealNode, pod: &Pod) -> anyhow::Result<()> {
+    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    let id = statuses
+        .and_then(|cs| cs.iter().find(|c| c.name == WORKER_CONTAINER))
+        .and_then(|c| c.container_id.clone())
+        .with_context(|| format!("pod {} has no worker container id", pod.name_any()))?;
+    let socket = node.containerd_socket.to_string_lossy();
+    let id = id.trim_start_matches("containerd://");
+    let out = std::process::Command::new("ctr")
+        .args(["-a", &socket, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", id])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "ctr tasks kill: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
+/// Measures one restart: kills the gang's trainer at `epoch` and watches the next epoch come up.
+async fn restart_once(node: &RealNode, jobs: &Api<RLJob>, pods: &Api<Pod>, epoch: u32) -> anyhow::Result<Round> {
+    let listed = pods.list(&ListParams::default()).await?.items;
+    let trainer = of_epoch(&listed, epoch)
+        .into_iter()
+        .find(|p| p.labels().get(labels::ROLE).map(String::as_str) == Some("trainer"))
+        .context("no trainer pod")?
+        .clone();
+    let n = of_epoch(&listed, epoch).len();
+    let killed = Instant::now();
+    kill_worker(node, &trainer)?;
+    let (mut new_epoch, mut old_gone) = (None, None);
+    let deadline = killed + Duration::from_secs(120);
+    loop {
+        let since = killed.elapsed().as_secs_f64();
+        if new_epoch.is_none() && jobs.get(JOB).await.map(|j| epoch_of(&j) > epoch)? {
+            new_epoch = Some(since);
+        }
+        let listed = pods.list(&ListParams::default()).await?.items;
+        if old_gone.is_none() && new_epoch.is_some() && of_epoch(&listed, epoch).is_empty() {
+            old_gone = Some(since);
+        }
+        let next = of_epoch(&listed, epoch + 1);
+        if let (Some(e), Some(g)) = (new_epoch, old_gone)
+            && next.len() == n
+            && next.iter().all(|p| running(p))
+        {
+            return Ok(Round { new_epoch: e, old_gone: g, new_running: since });
+        }
+        if Instant::now() > deadline {
+            bail!("epoch {} did not come up within 120 s of the kill", epoch + 1);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a benchmark: cargo test -p rlplane-e2e --test restart_latency -- --ignored --nocapture"]
+async fn gang_restart_latency_on_the_real_node() -> anyhow::Result<()> {
+    if skip_without_cluster()? {
+        return Ok(());
+    }
+    let client = Client::try_default().await?;
+    let Some(node) = RealNode::find(&client).await? else { return Ok(()) };
+    node.load_images()?;
+    install_crd(&client).await?;
+    let ns = real_node::namespace(&client, "restarts").await?;
+    let mut operator = OperatorProcess::start(&operator_binary(&workspace())?, &ns, &["--image-pull-policy", "Never"])?;
+    let result = measure(&client, &ns, &node).await;
+    operator.terminate();
+    Api::<Namespace>::all(client.clone()).delete(&ns, &DeleteParams::background()).await?;
+    result
+}
+
+async fn measure(client: &Client, ns: &str, node: &RealNode) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(workspace().join("manifests/rljob-cpu.yaml"))?;
+    let text = text.replace("name: grpo-cpu\n", &format!("name: {JOB}\n")).replace("steps: 3", "steps: 1000000");
+    let text = text.replacen("spec:\n", &format!("spec:\n  runPolicy: {{backoffLimit: {}}}\n", ROUNDS + 1), 1);
+    let (applied, _, err) = kubectl_stdin(&["apply", "-n", ns, "-f", "-"], &text)?;
+    anyhow::ensure!(applied, "kubectl apply: {err}");
+    let jobs: Api<RLJob> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let mut rounds = Vec::new();
+    for epoch in 0..ROUNDS as u32 {
+        // The gang of this epoch running and stepping.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let j = jobs.get(JOB).await?;
+            if epoch_of(&j) == epoch && j.status.as_ref().and_then(|s| s.step).unwrap_or(0) >= 1 {
+                let listed = pods.list(&ListParams::default()).await?.items;
+                if of_epoch(&listed, epoch).iter().all(|p| running(p)) {
+                    break;
+                }
+            }
+            anyhow::ensure!(Instant::now() < deadline, "epoch {epoch} did not start stepping within 120 s");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let r = restart_once(node, &jobs, &pods, epoch).await?;
+        println!(
+            "restart {}: new epoch in status {:.2} s, old pods gone {:.2} s, every new pod Running {:.2} s after the kill ({:+.2} s after the old pods went)",
+            epoch + 1,
+            r.new_epoch,
+            r.old_gone,
+            r.new_running,
+            r.new_running - r.old_gone
+        );
+        rounds.push(r);
+    }
+    let col = |f: fn(&Round) -> f64| rounds.iter().map(f).collect::<Vec<_>>();
+    for (what, v) in [
+        ("kill → new epoch in status", col(|r| r.new_epoch)),
+        ("kill → old pods gone", col(|r| r.old_gone)),
+        ("kill → every new pod Running", col(|r| r.new_running)),
+        ("old pods gone → every new pod Running", col(|r| r.new_running - r.old_gone)),
+    ] {
+        println!(
+            "{what}: p50 {:.2} s, p99 {:.2} s over {} restarts",
+            percentile(v.clone(), 0.5),
+            percentile(v, 0.99),
+            rounds.len()
+        );
+    }
+    let met = rounds.iter().filter(|r| r.new_running - r.old_gone <= 2.0).count();
+    println!("the new gang Running within 2 s of the old one's termination: {met}/{} restarts", rounds.len());
+    Ok(())
+}
