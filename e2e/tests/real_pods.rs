@@ -19,7 +19,7 @@ use kube::{Client, ResourceExt};
 use rlplane_api::{Phase, RLJob};
 use rlplane_e2e::real_node::{self, RealNode};
 use rlplane_e2e::{helm, kubectl, kubectl_stdin, phase_of, skip_without_cluster, workspace};
-use rlplane_operator::cluster::install_crd;
+use rlplane_operator::cluster::{OperatorProcess, install_crd, operator_binary};
 use rlplane_operator::desired::WORKER_CONTAINER;
 
 /// The real node's pod network (e2e/cluster/node.env's POD_CIDR, 10.199.128.0/24).
@@ -173,6 +173,42 @@ async fn an_rljob_runs_as_real_containers_under_the_helm_installed_operator() ->
     let ns = real_node::namespace(&client, "real-pods").await?;
     let result = scenario(&client, &ns, &node, worker_image, client_image).await;
     let _ = helm(&["uninstall", "rlplane", "-n", &ns, "--wait", "--timeout", "60s"]);
+    Api::<Namespace>::all(client.clone()).delete(&ns, &DeleteParams::background()).await?;
+    result
+}
+
+/// Three jobs at once on the real node, under one operator: their gangs share the node's bridge,
+/// DNS and kube-proxy rules, and none disturbs another (no gang restart, every step reported).
+#[tokio::test(flavor = "multi_thread")]
+async fn three_jobs_at_once_share_the_real_node_without_a_restart() -> anyhow::Result<()> {
+    if skip_without_cluster()? {
+        return Ok(());
+    }
+    let client = Client::try_default().await?;
+    let Some(node) = RealNode::find(&client).await? else { return Ok(()) };
+    let images = node.load_images()?;
+    let worker_image = images.iter().find(|i| i.contains("rlplane-worker")).context("no worker image was built")?;
+    install_crd(&client).await?;
+    let ns = real_node::namespace(&client, "real-three").await?;
+    let binary = operator_binary(&workspace())?;
+    let mut operator = OperatorProcess::start(&binary, &ns, &["--image-pull-policy", "Never"])?;
+    let runs = ["one", "two", "three"].map(|name| {
+        let (client, ns) = (&client, &ns);
+        async move {
+            let manifest = cpu_job(name)?.replace("steps: 3", "steps: 20");
+            run_job(client, ns, name, &manifest).await
+        }
+    });
+    let result = async {
+        for (job, pods) in futures::future::try_join_all(runs).await? {
+            let restarts = job.status.as_ref().map(|s| s.restarts);
+            assert_eq!(restarts, Some(0), "RLJob {}: no gang restart", job.name_any());
+            assert_ran_as_containers(&pods, &node.name, &[worker_image])?;
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    operator.terminate();
     Api::<Namespace>::all(client.clone()).delete(&ns, &DeleteParams::background()).await?;
     result
 }
