@@ -125,3 +125,45 @@ pub async fn namespace(client: &Client, test: &str) -> anyhow::Result<String> {
         .with_context(|| format!("cannot create namespace {name}"))?;
     Ok(name)
 }
+
+/// Where a real-node test starts: the cluster's client, its real node with the project's images
+/// loaded, and a fresh namespace whose pods run there.
+pub struct Setup {
+    /// Client for the cluster KUBECONFIG names.
+    pub client: Client,
+    /// The real node.
+    pub node: RealNode,
+    /// The images loaded into the node's runtime.
+    pub images: Vec<String>,
+    /// The test's namespace (pinned to the node).
+    pub namespace: String,
+}
+
+impl Setup {
+    /// The cluster, node, images and a namespace for `test` (with the CRD installed); None,
+    /// after saying why, without a cluster or a real node.
+    pub async fn start(test: &str) -> anyhow::Result<Option<Setup>> {
+        if crate::skip_without_cluster()? {
+            return Ok(None);
+        }
+        let client = Client::try_default().await.context("cannot build a client from KUBECONFIG")?;
+        let Some(node) = RealNode::find(&client).await? else { return Ok(None) };
+        let images = node.load_images()?;
+        rlplane_operator::cluster::install_crd(&client).await?;
+        let namespace = namespace(&client, test).await?;
+        Ok(Some(Setup { client, node, images, namespace }))
+    }
+
+    /// The loaded image whose name contains `part` (e.g. `rlplane-worker`).
+    pub fn image(&self, part: &str) -> anyhow::Result<&str> {
+        let found = self.images.iter().find(|i| i.contains(part));
+        found.map(String::as_str).with_context(|| format!("no {part} image was built"))
+    }
+
+    /// Deletes the namespace and everything in it.
+    pub async fn cleanup(&self) -> anyhow::Result<()> {
+        let namespaces: Api<Namespace> = Api::all(self.client.clone());
+        namespaces.delete(&self.namespace, &kube::api::DeleteParams::background()).await?;
+        Ok(())
+    }
+}

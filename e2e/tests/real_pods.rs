@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{Api, DeleteParams, ListParams};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use rlplane_api::{Phase, RLJob};
-use rlplane_e2e::real_node::{self, RealNode};
-use rlplane_e2e::{helm, kubectl, kubectl_stdin, phase_of, skip_without_cluster, workspace};
-use rlplane_operator::cluster::{OperatorProcess, install_crd, operator_binary};
+use rlplane_e2e::real_node::{RealNode, Setup};
+use rlplane_e2e::{helm, kubectl, kubectl_stdin, phase_of, workspace};
+use rlplane_operator::cluster::{OperatorProcess, operator_binary};
 use rlplane_operator::desired::WORKER_CONTAINER;
 
 /// The real node's pod network (e2e/cluster/node.env's POD_CIDR, 10.199.128.0/24).
@@ -160,20 +160,12 @@ fn assert_ran_as_containers(pods: &[Pod], node: &str, images: &[&str]) -> anyhow
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_rljob_runs_as_real_containers_under_the_helm_installed_operator() -> anyhow::Result<()> {
-    if skip_without_cluster()? {
-        return Ok(());
-    }
-    let client = Client::try_default().await?;
-    let Some(node) = RealNode::find(&client).await? else { return Ok(()) };
-    let images = node.load_images()?;
-    let image =
-        |part: &str| images.iter().find(|i| i.contains(part)).with_context(|| format!("no {part} image was built"));
-    let (worker_image, client_image) = (image("rlplane-worker")?, image("python-client")?);
-    install_crd(&client).await?;
-    let ns = real_node::namespace(&client, "real-pods").await?;
-    let result = scenario(&client, &ns, &node, worker_image, client_image).await;
-    let _ = helm(&["uninstall", "rlplane", "-n", &ns, "--wait", "--timeout", "60s"]);
-    Api::<Namespace>::all(client.clone()).delete(&ns, &DeleteParams::background()).await?;
+    let Some(setup) = Setup::start("real-pods").await? else { return Ok(()) };
+    let (worker_image, client_image) = (setup.image("rlplane-worker")?, setup.image("python-client")?);
+    let (client, ns) = (&setup.client, &setup.namespace);
+    let result = scenario(client, ns, &setup.node, worker_image, client_image).await;
+    let _ = helm(&["uninstall", "rlplane", "-n", ns, "--wait", "--timeout", "60s"]);
+    setup.cleanup().await?;
     result
 }
 
@@ -181,23 +173,14 @@ async fn an_rljob_runs_as_real_containers_under_the_helm_installed_operator() ->
 /// DNS and kube-proxy rules, and none disturbs another (no gang restart, every step reported).
 #[tokio::test(flavor = "multi_thread")]
 async fn three_jobs_at_once_share_the_real_node_without_a_restart() -> anyhow::Result<()> {
-    if skip_without_cluster()? {
-        return Ok(());
-    }
-    let client = Client::try_default().await?;
-    let Some(node) = RealNode::find(&client).await? else { return Ok(()) };
-    let images = node.load_images()?;
-    let worker_image = images.iter().find(|i| i.contains("rlplane-worker")).context("no worker image was built")?;
-    install_crd(&client).await?;
-    let ns = real_node::namespace(&client, "real-three").await?;
+    let Some(setup) = Setup::start("real-three").await? else { return Ok(()) };
+    let worker_image = setup.image("rlplane-worker")?;
+    let (client, ns, node) = (&setup.client, &setup.namespace, &setup.node);
     let binary = operator_binary(&workspace())?;
-    let mut operator = OperatorProcess::start(&binary, &ns, &["--image-pull-policy", "Never"])?;
-    let runs = ["one", "two", "three"].map(|name| {
-        let (client, ns) = (&client, &ns);
-        async move {
-            let manifest = cpu_job(name)?.replace("steps: 3", "steps: 20");
-            run_job(client, ns, name, &manifest).await
-        }
+    let mut operator = OperatorProcess::start(&binary, ns, &["--image-pull-policy", "Never"])?;
+    let runs = ["one", "two", "three"].map(|name| async move {
+        let manifest = cpu_job(name)?.replace("steps: 3", "steps: 20");
+        run_job(client, ns, name, &manifest).await
     });
     let result = async {
         for (job, pods) in futures::future::try_join_all(runs).await? {
@@ -209,7 +192,7 @@ async fn three_jobs_at_once_share_the_real_node_without_a_restart() -> anyhow::R
     }
     .await;
     operator.terminate();
-    Api::<Namespace>::all(client.clone()).delete(&ns, &DeleteParams::background()).await?;
+    setup.cleanup().await?;
     result
 }
 

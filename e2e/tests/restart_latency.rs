@@ -11,13 +11,13 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{Api, DeleteParams, ListParams};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 use rlplane_api::RLJob;
-use rlplane_e2e::real_node::{self, RealNode};
-use rlplane_e2e::{epoch_of, kubectl_stdin, skip_without_cluster, workspace};
-use rlplane_operator::cluster::{OperatorProcess, install_crd, operator_binary};
+use rlplane_e2e::real_node::{RealNode, Setup};
+use rlplane_e2e::{epoch_of, kubectl_stdin, workspace};
+use rlplane_operator::cluster::{OperatorProcess, operator_binary};
 use rlplane_operator::desired::{WORKER_CONTAINER, labels};
 
 const ROUNDS: usize = 10;
@@ -100,18 +100,12 @@ async fn restart_once(node: &RealNode, jobs: &Api<RLJob>, pods: &Api<Pod>, epoch
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "a benchmark: cargo test -p rlplane-e2e --test restart_latency -- --ignored --nocapture"]
 async fn gang_restart_latency_on_the_real_node() -> anyhow::Result<()> {
-    if skip_without_cluster()? {
-        return Ok(());
-    }
-    let client = Client::try_default().await?;
-    let Some(node) = RealNode::find(&client).await? else { return Ok(()) };
-    node.load_images()?;
-    install_crd(&client).await?;
-    let ns = real_node::namespace(&client, "restarts").await?;
-    let mut operator = OperatorProcess::start(&operator_binary(&workspace())?, &ns, &["--image-pull-policy", "Never"])?;
-    let result = measure(&client, &ns, &node).await;
+    let Some(setup) = Setup::start("restarts").await? else { return Ok(()) };
+    let binary = operator_binary(&workspace())?;
+    let mut operator = OperatorProcess::start(&binary, &setup.namespace, &["--image-pull-policy", "Never"])?;
+    let result = measure(&setup.client, &setup.namespace, &setup.node).await;
     operator.terminate();
-    Api::<Namespace>::all(client.clone()).delete(&ns, &DeleteParams::background()).await?;
+    setup.cleanup().await?;
     result
 }
 
