@@ -191,6 +191,11 @@ impl StorageUnit {
         self.lock().used
     }
 
+    /// The partitions held, by name.
+    pub fn partitions(&self) -> Vec<String> {
+        self.lock().partitions.keys().cloned().collect()
+    }
+
     /// Samples held in `partition`.
     pub fn samples(&self, partition: &str) -> usize {
         self.lock().partitions.get(partition).map(|p| p.samples.len()).unwrap_or(0)
