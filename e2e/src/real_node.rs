@@ -60,6 +60,25 @@ impl RealNode {
         }
     }
 
+    /// Kills container `container` of `pod` with SIGKILL through the node's containerd, under
+    /// the kubelet (a crash, as the kubelet sees it).
+    pub fn kill_container(&self, pod: &k8s_openapi::api::core::v1::Pod, container: &str) -> anyhow::Result<()> {
+        let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+        let id = statuses
+            .and_then(|cs| cs.iter().find(|c| c.name == container))
+            .and_then(|c| c.container_id.clone())
+            .with_context(|| format!("pod {} has no id for container {container}", pod.name_any()))?;
+        let id = id.trim_start_matches("containerd://");
+        let out = std::process::Command::new("ctr")
+            .arg("-a")
+            .arg(&self.containerd_socket)
+            .args(["-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", id])
+            .output()
+            .context("cannot run ctr (containerd)")?;
+        anyhow::ensure!(out.status.success(), "ctr tasks kill {id}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    }
+
     /// Builds the project's images from its Dockerfile (e2e/cluster/images, cached: a rebuild
     /// happens only when the binaries, the client or the Dockerfile changed) and loads them into
     /// the node's runtime; returns the images' names. The binaries are the ones the suite tests

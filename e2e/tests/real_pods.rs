@@ -307,18 +307,7 @@ async fn faults(client: &Client, ns: &str, node: &RealNode, client_image: &str) 
     // 1. The trainer's user container killed under the kubelet: the pod fails, the gang restarts.
     let at = until("epoch 0 running", RUN, reached(0, None)).await?;
     let trainer = pods.get("real-faults-trainer-0").await?;
-    let id = trainer
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == "train").and_then(|c| c.container_id.clone()));
-    let id = id.context("no container id for train")?;
-    let id = id.trim_start_matches("containerd://");
-    let socket = node.containerd_socket.to_string_lossy();
-    let out = std::process::Command::new("ctr")
-        .args(["-a", &socket, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", id])
-        .output()?;
-    anyhow::ensure!(out.status.success(), "ctr tasks kill: {}", String::from_utf8_lossy(&out.stderr));
+    node.kill_container(&trainer, "train")?;
     println!("faults: at step {} the trainer's container was killed (SIGKILL through containerd)", at.3);
 
     // 2. A worker pod of the next epoch deleted.

@@ -45,22 +45,6 @@ fn running(p: &Pod) -> bool {
     p.metadata.deletion_timestamp.is_none() && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
 }
 
-/// Kills the worker container of `pod` through containerd.
-fn kill_worker(node: &RealNode, pod: &Pod) -> anyhow::Result<()> {
-    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
-    let id = statuses
-        .and_then(|cs| cs.iter().find(|c| c.name == WORKER_CONTAINER))
-        .and_then(|c| c.container_id.clone())
-        .with_context(|| format!("pod {} has no worker container id", pod.name_any()))?;
-    let socket = node.containerd_socket.to_string_lossy();
-    let id = id.trim_start_matches("containerd://");
-    let out = std::process::Command::new("ctr")
-        .args(["-a", &socket, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", id])
-        .output()?;
-    anyhow::ensure!(out.status.success(), "ctr tasks kill: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(())
-}
-
 /// Measures one restart: kills the gang's trainer at `epoch` and watches the next epoch come up.
 async fn restart_once(node: &RealNode, jobs: &Api<RLJob>, pods: &Api<Pod>, epoch: u32) -> anyhow::Result<Round> {
     let listed = pods.list(&ListParams::default()).await?.items;
@@ -71,7 +55,7 @@ async fn restart_once(node: &RealNode, jobs: &Api<RLJob>, pods: &Api<Pod>, epoch
         .clone();
     let n = of_epoch(&listed, epoch).len();
     let killed = Instant::now();
-    kill_worker(node, &trainer)?;
+    node.kill_container(&trainer, WORKER_CONTAINER)?;
     let (mut new_epoch, mut old_gone) = (None, None);
     let deadline = killed + Duration::from_secs(120);
     loop {
