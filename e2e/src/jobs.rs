@@ -1,38 +1,72 @@
-//! The e2e job tests' cluster: a namespace with its own operator and a node agent that runs the
-//! namespace's pods as local processes, with the helpers to apply a manifest with kubectl and to
-//! wait for a job (showing the pods' logs when it does not get there).
+//! The e2e job tests' cluster: a namespace with its own operator, whose pods run on the test
+//! cluster's real node as containers (the project's images, loaded into its containerd) or, where
+//! the cluster has no real node or a test maps a container's command to a local program, as local
+//! processes of a node agent; with the helpers to apply a manifest with kubectl, wait for a job
+//! (showing the pods' logs when it does not get there), read a pod's logs and kill its worker.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::ResourceExt;
+use kube::api::Api;
 use rlplane_api::{Phase, RLJob};
+use rlplane_operator::cluster::{OperatorProcess, operator_binary};
+use rlplane_operator::desired::{PLAN_KEY, WORKER_CONTAINER};
 
 use crate::node_agent::{NodeAgent, NodeAgentConfig};
-use crate::{Env, api_server_of_kubeconfig, kubectl_stdin, phase_of, worker_binary, workspace};
+use crate::real_node::RealNode;
+use crate::{Env, api_server_of_kubeconfig, kubectl, kubectl_stdin, phase_of, worker_binary, workspace};
 
 /// A job's whole run on 2 cores, with a restart, fits well inside this.
 pub const RUN: Duration = Duration::from_secs(240);
 
-/// The test's namespace, operator and node agent (which runs the pods as local processes).
+/// What runs the namespace's pods.
+pub enum Runner {
+    /// The real node's kubelet: containers of the project's images.
+    RealNode(RealNode),
+    /// The node agent: each container's command as a local process.
+    Agent(NodeAgent),
+}
+
+/// The test's namespace, operator and what runs its pods.
 pub struct Cluster {
     /// The namespace, its operator and the API client.
     pub env: Env,
-    /// The node agent running the namespace's pods.
-    pub agent: NodeAgent,
+    /// What runs the namespace's pods.
+    pub runner: Runner,
     /// The test's own files.
     pub dir: PathBuf,
 }
 
 impl Cluster {
-    /// A namespace, operator and node agent for `test`; `None` (said so) without a cluster.
+    /// A namespace and operator for `test` whose pods run on the real node (the node agent
+    /// where the cluster has none, said so); `None` (said so) without a cluster.
     pub async fn start(test: &str) -> anyhow::Result<Option<Cluster>> {
-        Self::start_with(test, []).await
+        if crate::skip_without_cluster()? {
+            return Ok(None);
+        }
+        let client = kube::Client::try_default().await.context("cannot build a client from KUBECONFIG")?;
+        let Some(node) = RealNode::lookup(&client).await? else {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "{test}: no real node in the cluster: its pods run on the node agent");
+            return Self::start_with(test, []).await;
+        };
+        node.load_images()?;
+        rlplane_operator::cluster::install_crd(&client).await?;
+        let namespace = crate::real_node::namespace(&client, test).await?;
+        let operator =
+            OperatorProcess::start(&operator_binary(&workspace())?, &namespace, &["--image-pull-policy", "Never"])?;
+        let env = Env { client, namespace, operator, kubelet: None };
+        let dir = test_files().join("e2e-real-node").join(&env.namespace);
+        std::fs::create_dir_all(&dir)?;
+        Ok(Some(Cluster { env, runner: Runner::RealNode(node), dir }))
     }
 
-    /// As [`Cluster::start`], with more command words the node agent maps to executables (a
-    /// user container's `python`, say).
+    /// A namespace and operator for `test` whose pods the node agent runs, with more command
+    /// words it maps to local executables (a user container's `python`, say: an image with the
+    /// user's PyTorch is more than the suite builds); `None` (said so) without a cluster.
     pub async fn start_with(
         test: &str,
         more: impl IntoIterator<Item = (String, PathBuf)>,
@@ -50,7 +84,84 @@ impl Cluster {
         // The test's own files (the agent's pods live under the short root above).
         std::fs::create_dir_all(&dir)?;
         let agent = NodeAgent::start(env.client.clone(), cfg)?;
-        Ok(Some(Cluster { env, agent, dir }))
+        Ok(Some(Cluster { env, runner: Runner::Agent(agent), dir }))
+    }
+
+    /// The last lines of pod `pod`'s logs (every container's).
+    pub fn logs(&self, pod: &str) -> String {
+        match &self.runner {
+            Runner::Agent(agent) => agent.logs(pod),
+            Runner::RealNode(_) => {
+                let args = ["logs", "-n", &self.env.namespace, pod, "--all-containers", "--prefix", "--tail=40"];
+                match kubectl(&args) {
+                    Ok((_, out, err)) => format!("--- kubectl logs {pod}\n{out}{err}"),
+                    Err(e) => format!("--- kubectl logs {pod}: {e:#}\n"),
+                }
+            }
+        }
+    }
+
+    /// Kills pod `pod`'s worker with SIGKILL (its container exits with code 137); fails when it
+    /// does not run.
+    pub async fn kill_worker(&self, pod: &str) -> anyhow::Result<()> {
+        match &self.runner {
+            Runner::Agent(agent) => {
+                anyhow::ensure!(agent.signal(pod, libc::SIGKILL), "{pod} was not running");
+                Ok(())
+            }
+            Runner::RealNode(node) => node.kill_container(&self.env.pods().get(pod).await?, WORKER_CONTAINER),
+        }
+    }
+
+    /// What running pod `pod` has mounted: the plan's JSON and the epoch's key file's bytes.
+    pub async fn mounted_plan_and_key(&self, pod: &str) -> anyhow::Result<(String, Vec<u8>)> {
+        let key_name = rlplane_api::plan::JOB_KEY_SECRET_KEY;
+        if let Runner::Agent(agent) = &self.runner {
+            let dir = agent.pod_dir(pod).with_context(|| format!("{pod} does not run"))?;
+            let plan = std::fs::read_to_string(dir.join("vol/plan/plan.json")).context("the pod's mounted plan")?;
+            let key = std::fs::read_dir(dir.join("vol"))?
+                .flatten()
+                .map(|v| v.path().join(key_name))
+                .find(|k| k.is_file())
+                .context("the pod's mounted key Secret")?;
+            return Ok((plan, std::fs::read(key)?));
+        }
+        // The kubelet mounts the pod's ConfigMap and Secret volumes: read the same objects.
+        let spec = self.env.pods().get(pod).await?.spec.context("a pod without spec")?;
+        let volumes = spec.volumes.unwrap_or_default();
+        let map = volumes.iter().find_map(|v| v.config_map.as_ref()).context("the pod mounts no ConfigMap")?;
+        let secret = volumes.iter().find_map(|v| v.secret.as_ref()).context("the pod mounts no Secret")?;
+        let ns = &self.env.namespace;
+        let map = Api::<ConfigMap>::namespaced(self.env.client.clone(), ns).get(&map.name).await?;
+        let plan = map.data.and_then(|d| d.get(PLAN_KEY).cloned()).context("the plan ConfigMap has no plan")?;
+        let secret_name = secret.secret_name.clone().context("a Secret volume without a name")?;
+        let secret = Api::<Secret>::namespaced(self.env.client.clone(), ns).get(&secret_name).await?;
+        let key = secret.data.and_then(|d| d.get(key_name).cloned()).context("the key Secret has no key")?;
+        Ok((plan, key.0))
+    }
+
+    /// For a process of this machine that plays a pod of the job (a rank of an earlier epoch,
+    /// say): an /etc/hosts-style file naming the running pods' addresses, and an address it may
+    /// bind.
+    pub async fn outsider_addresses(&self, name: &str) -> anyhow::Result<(PathBuf, String)> {
+        match &self.runner {
+            Runner::Agent(agent) => Ok((agent.hosts_file(), agent.reserve_address(name))),
+            Runner::RealNode(_) => {
+                let mut hosts = String::new();
+                for p in self.env.pods().list(&Default::default()).await?.items {
+                    let Some(ip) = p.status.as_ref().and_then(|s| s.pod_ip.clone()) else { continue };
+                    let (pod, sub) = (p.name_any(), p.spec.as_ref().and_then(|s| s.subdomain.clone()));
+                    // As the plan names them: <pod>.<headless service>.<namespace>.svc.
+                    let fqdn = sub.map(|s| format!(" {pod}.{s}.{}.svc", self.env.namespace));
+                    hosts.push_str(&format!("{ip} {pod}{}\n", fqdn.unwrap_or_default()));
+                }
+                let file = self.dir.join(format!("{name}.hosts"));
+                std::fs::write(&file, hosts)?;
+                // Its listeners stay on this machine's loopback; it dials the pods from here,
+                // which the node's NetworkPolicy enforcement lets pass for root's connections.
+                Ok((file, "127.0.0.1".into()))
+            }
+        }
     }
 
     /// `kubectl apply -n <ns> -f manifests/<file>` (or `<file>` from the workspace's root when it
@@ -75,7 +186,7 @@ impl Cluster {
                 let pods = self.env.pods_of(job).await.unwrap_or_default();
                 let mut logs = String::new();
                 for p in &pods {
-                    logs.push_str(&self.agent.logs(&p.name_any()));
+                    logs.push_str(&self.logs(&p.name_any()));
                 }
                 let status = other.map(|j| format!("{:?}", j.status)).unwrap_or_else(|e| format!("{e:#}"));
                 bail!("RLJob {job}: {what} did not happen: {status}\npod logs:\n{logs}")

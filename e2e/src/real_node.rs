@@ -34,6 +34,23 @@ impl RealNode {
     /// The cluster's Ready real node; None (after saying why) when it has none, an error when
     /// [`REQUIRED_ENV`] is `1`.
     pub async fn find(client: &Client) -> anyhow::Result<Option<RealNode>> {
+        if let Some(node) = Self::lookup(client).await? {
+            return Ok(Some(node));
+        }
+        let why = "the cluster has no real node (e2e/cluster/up starts one when run as root)";
+        // RLPLANE_CLUSTER_REAL_NODE=0 left it out on purpose: a skip, said, even in CI mode.
+        let opted_out = std::env::var("RLPLANE_CLUSTER_REAL_NODE").as_deref() == Ok("0");
+        if std::env::var(REQUIRED_ENV).as_deref() == Ok("1") && !opted_out {
+            bail!("{REQUIRED_ENV}=1 but {why}; RLPLANE_CLUSTER_REAL_NODE=0 leaves the node's tests out");
+        }
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+        Ok(None)
+    }
+
+    /// The cluster's Ready real node whose containerd socket is on this machine (beside the
+    /// kubeconfig, as e2e/cluster/up leaves it), if any.
+    pub async fn lookup(client: &Client) -> anyhow::Result<Option<RealNode>> {
         let nodes: Api<Node> = Api::all(client.clone());
         let listed = nodes.list(&ListParams::default().labels(&format!("{NODE_KEY}=true"))).await?;
         let ready = listed.items.iter().find(|n| {
@@ -42,22 +59,12 @@ impl RealNode {
         });
         let kubeconfig = std::env::var_os("KUBECONFIG").map(PathBuf::from);
         let socket = kubeconfig.as_deref().and_then(|k| k.parent()).map(|d| d.join("node/containerd/containerd.sock"));
-        match (ready, socket) {
+        Ok(match (ready, socket) {
             (Some(node), Some(socket)) if socket.exists() => {
-                Ok(Some(RealNode { name: node.name_any(), containerd_socket: socket }))
+                Some(RealNode { name: node.name_any(), containerd_socket: socket })
             }
-            _ => {
-                let why = "the cluster has no real node (e2e/cluster/up starts one when run as root)";
-                // RLPLANE_CLUSTER_REAL_NODE=0 left it out on purpose: a skip, said, even in CI mode.
-                let opted_out = std::env::var("RLPLANE_CLUSTER_REAL_NODE").as_deref() == Ok("0");
-                if std::env::var(REQUIRED_ENV).as_deref() == Ok("1") && !opted_out {
-                    bail!("{REQUIRED_ENV}=1 but {why}; RLPLANE_CLUSTER_REAL_NODE=0 leaves the node's tests out");
-                }
-                use std::io::Write as _;
-                let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
-                Ok(None)
-            }
-        }
+            _ => None,
+        })
     }
 
     /// Kills container `container` of `pod` with SIGKILL through the node's containerd, under

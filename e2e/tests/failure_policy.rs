@@ -1,6 +1,6 @@
 //! `spec.runPolicy.failurePolicy` through the real cluster (issue 28 part 2): a pod evicted through
-//! the Eviction API (the API server marks it `DisruptionTarget`, then deletes it; the node agent
-//! stops its processes as a kubelet would) restarts the gang as a disruption, which does not burn
+//! the Eviction API (the API server marks it `DisruptionTarget`, then deletes it; the kubelet
+//! stops its containers) restarts the gang as a disruption, which does not burn
 //! `backoffLimit`; a rule with action FailJob fails the job at once, naming the rule.
 //! Without KUBECONFIG every test prints that it skipped and passes (CI makes that an error).
 
@@ -55,8 +55,8 @@ async fn a_fail_job_rule_fails_the_job_at_once_and_names_the_rule() -> anyhow::R
     c.wait(&name, "the first step", |j| j.status.as_ref().and_then(|s| s.step).is_some_and(|s| s >= 1)).await?;
 
     let victim = format!("{name}-gen-0");
-    assert!(c.agent.signal(&victim, libc::SIGKILL), "{victim} was running");
-    println!("killed the processes of {victim} (SIGKILL: exit code 137)");
+    c.kill_worker(&victim).await?;
+    println!("killed the worker of {victim} (SIGKILL: exit code 137)");
     let job = c.wait(&name, "Failed", |j| phase_of(j) == Some(Phase::Failed)).await?;
     let st = job.status.clone().unwrap_or_default();
     assert_eq!((st.restarts, st.epoch), (0, 0), "no restart: {st:?}");

@@ -1,6 +1,8 @@
 //! The whole job through the real cluster: an RLJob applied with `kubectl`, reconciled by the real
-//! operator into pods the real scheduler places, run by the real worker (`rlplane worker`, started
-//! by the e2e node agent from the pods' own command, env, volumes and ServiceAccount token), with
+//! operator into pods the real scheduler places, run by the real worker (`rlplane worker`) as
+//! containers on the test cluster's real node (or, without one, started by the e2e node agent
+//! from the pods' own command, env, volumes and ServiceAccount token; the tiny-grpo test always
+//! uses the agent: its containers need PyTorch, which the suite's images leave out), with
 //! the coordinator reporting STEP and REFIT into the RLJob's status with the per-job worker
 //! account's token; a worker killed mid-job and the gang restarted with a new epoch that refuses a
 //! process of the old one; the workers' `/metrics` scraped by a real Prometheus through the chart's
@@ -180,8 +182,9 @@ async fn a_coordinator_waiting_for_a_pending_pod_says_whom_it_waits_for_in_the_s
     // The coordinator's own log says the same, every few seconds.
     let trainer =
         c.env.pods_of(&name).await?.into_iter().find(|p| p.name_any().contains("trainer-0")).expect("trainer-0");
-    let log = c.agent.logs(&trainer.name_any());
-    assert!(log.contains("the coordinator is still waiting for gen-0"), "{log}");
+    let log = c.logs(&trainer.name_any());
+    let waiting = |l: &&str| l.contains("the coordinator is still waiting for") && l.contains("gen-0");
+    assert!(log.lines().any(|l| waiting(&l)), "{log}");
     c.env.cleanup().await
 }
 
@@ -193,21 +196,15 @@ async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused(
     let name = c.apply("rljob-cpu.yaml", |t| t.replace("steps: 3", "steps: 60"))?;
     c.wait(&name, "the first step", |j| j.status.as_ref().and_then(|s| s.step).is_some_and(|s| s >= 1)).await?;
 
-    // Keep the old epoch's plan (and its token) before the restart replaces it.
+    // Keep the old epoch's plan (and its token) before the restart replaces it, and its key:
+    // the stale rank holds everything its epoch had.
     let victim = format!("{name}-gen-0");
-    let pod_dir = c.agent.pod_dir(&victim).context("the victim pod runs")?;
-    let old_plan = c.dir.join("epoch-0-plan.json");
-    std::fs::copy(pod_dir.join("vol/plan/plan.json"), &old_plan).context("the pod's mounted plan")?;
-    // And its key: the stale rank holds everything its epoch had.
-    let old_key = c.dir.join("epoch-0-key");
-    let mounted_key = std::fs::read_dir(pod_dir.join("vol"))?
-        .flatten()
-        .map(|v| v.path().join(rlplane_api::plan::JOB_KEY_SECRET_KEY))
-        .find(|k| k.is_file())
-        .context("the pod's mounted key Secret")?;
-    std::fs::copy(mounted_key, &old_key)?;
-    assert!(c.agent.signal(&victim, libc::SIGKILL), "{victim} was running");
-    println!("killed the processes of {victim} (SIGKILL)");
+    let (plan, key) = c.mounted_plan_and_key(&victim).await?;
+    let (old_plan, old_key) = (c.dir.join("epoch-0-plan.json"), c.dir.join("epoch-0-key"));
+    std::fs::write(&old_plan, plan)?;
+    std::fs::write(&old_key, key)?;
+    c.kill_worker(&victim).await?;
+    println!("killed the worker of {victim} (SIGKILL)");
 
     let job = c.wait(&name, "a gang restart", |j| epoch_of(j) == 1).await?;
     let st = job.status.as_ref().unwrap();
@@ -217,7 +214,7 @@ async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused(
     c.wait(&name, "Running at epoch 1", |j| epoch_of(j) == 1 && phase_of(j) == Some(Phase::Running)).await?;
 
     // A process of the old epoch tries to rejoin: the new gang refuses its handshake.
-    let stale = stale_rank(&c, &old_plan, &old_key, &victim)?;
+    let stale = stale_rank(&c, &old_plan, &old_key, &victim).await?;
     println!("the epoch-0 rank that tried to rejoin: {stale}");
     // The new coordinator's own refusal, naming the stale token — only a live gang answers the
     // handshake so; a plain "refused" would also match a connection refused by a coordinator that
@@ -230,10 +227,10 @@ async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused(
     c.env.cleanup().await
 }
 
-/// Runs one rank of the old plan (the generation rank of `pod`, with its epoch's key) against the
-/// new epoch's gang, as the node agent would have run it, and returns what it printed once it
-/// exited. It must exit with an error.
-fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> anyhow::Result<String> {
+/// Runs one rank of the old plan (the generation rank of `pod`, with its epoch's key) on this
+/// machine against the new epoch's gang, and returns what it printed once it exited. It must exit
+/// with an error.
+async fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> anyhow::Result<String> {
     let plan: rlplane_api::WorkerPlan = serde_json::from_str(&std::fs::read_to_string(old_plan)?)?;
     let pod_index = plan.pods.iter().position(|p| p.name == pod).context("the old plan names the pod")?;
     let process = plan
@@ -242,14 +239,15 @@ fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> anyhow
         .find(|p| p.pod as usize == pod_index)
         .map(|p| p.name.clone())
         .context("the pod runs a process")?;
+    let (hosts, bind) = c.outsider_addresses("stale-rank").await?;
     let ipc = c.dir.join("stale-ipc");
     std::fs::create_dir_all(&ipc)?;
     let out = Command::new(worker_binary()?)
         .args(["worker", "--plan", old_plan.to_str().unwrap(), "--process", &process])
         .args(["--key-file", old_key.to_str().unwrap()])
-        .env(rlplane::pod::HOST_ALIASES_ENV, c.agent.hosts_file())
+        .env(rlplane::pod::HOST_ALIASES_ENV, hosts)
         // An address of its own: the new pod of the same name holds the old one's.
-        .env(rlplane::pod::BIND_HOST_ENV, c.agent.reserve_address("stale-rank"))
+        .env(rlplane::pod::BIND_HOST_ENV, bind)
         .env(rlplane::pod::IPC_DIR_ENV, &ipc)
         .stdin(Stdio::null())
         .output()?;

@@ -1,5 +1,6 @@
 //! Several jobs at once through the real cluster, several times over (issue 30): each in its own
-//! namespace with its own operator and node agent, all applied with `kubectl` together; every one
+//! namespace with its own operator, on the real node (or a node agent each), all applied with
+//! `kubectl` together; every one
 //! must run to Succeeded without a single gang restart and leave no stall in its status. A test
 //! binary of its own, so that its load does not share the machine with the other job tests.
 //! Without KUBECONFIG it prints that it skipped and passes (CI makes that an error).

@@ -19,7 +19,6 @@ use kube::{Client, ResourceExt};
 use rlplane_api::{Phase, RLJob};
 use rlplane_e2e::real_node::{RealNode, Setup};
 use rlplane_e2e::{helm, kubectl, kubectl_stdin, phase_of, workspace};
-use rlplane_operator::cluster::{OperatorProcess, operator_binary};
 use rlplane_operator::desired::WORKER_CONTAINER;
 
 /// The real node's pod network (e2e/cluster/node.env's POD_CIDR, 10.199.128.0/24).
@@ -165,33 +164,6 @@ async fn an_rljob_runs_as_real_containers_under_the_helm_installed_operator() ->
     let (client, ns) = (&setup.client, &setup.namespace);
     let result = scenario(client, ns, &setup.node, worker_image, client_image).await;
     let _ = helm(&["uninstall", "rlplane", "-n", ns, "--wait", "--timeout", "60s"]);
-    setup.cleanup().await?;
-    result
-}
-
-/// Three jobs at once on the real node, under one operator: their gangs share the node's bridge,
-/// DNS and kube-proxy rules, and none disturbs another (no gang restart, every step reported).
-#[tokio::test(flavor = "multi_thread")]
-async fn three_jobs_at_once_share_the_real_node_without_a_restart() -> anyhow::Result<()> {
-    let Some(setup) = Setup::start("real-three").await? else { return Ok(()) };
-    let worker_image = setup.image("rlplane-worker")?;
-    let (client, ns, node) = (&setup.client, &setup.namespace, &setup.node);
-    let binary = operator_binary(&workspace())?;
-    let mut operator = OperatorProcess::start(&binary, ns, &["--image-pull-policy", "Never"])?;
-    let runs = ["one", "two", "three"].map(|name| async move {
-        let manifest = cpu_job(name)?.replace("steps: 3", "steps: 20");
-        run_job(client, ns, name, &manifest).await
-    });
-    let result = async {
-        for (job, pods) in futures::future::try_join_all(runs).await? {
-            let restarts = job.status.as_ref().map(|s| s.restarts);
-            assert_eq!(restarts, Some(0), "RLJob {}: no gang restart", job.name_any());
-            assert_ran_as_containers(&pods, &node.name, &[worker_image])?;
-        }
-        anyhow::Ok(())
-    }
-    .await;
-    operator.terminate();
     setup.cleanup().await?;
     result
 }
