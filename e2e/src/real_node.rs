@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use anyhow::{Context as _, bail};
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use rlplane_operator::cluster::TOOL_FIELD_MANAGER;
@@ -69,21 +69,45 @@ impl RealNode {
 
     /// Kills container `container` of `pod` with SIGKILL through the node's containerd, under
     /// the kubelet (a crash, as the kubelet sees it).
-    pub fn kill_container(&self, pod: &k8s_openapi::api::core::v1::Pod, container: &str) -> anyhow::Result<()> {
-        let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
-        let id = statuses
-            .and_then(|cs| cs.iter().find(|c| c.name == container))
-            .and_then(|c| c.container_id.clone())
-            .with_context(|| format!("pod {} has no id for container {container}", pod.name_any()))?;
-        let id = id.trim_start_matches("containerd://");
+    pub fn kill_container(&self, pod: &Pod, container: &str) -> anyhow::Result<()> {
+        let id = container_id(pod, container)?;
+        self.ctr(&["tasks", "kill", "-s", "SIGKILL", &id])?;
+        Ok(())
+    }
+
+    /// Runs `command` in the network namespace of `pod` (through its container `container`'s
+    /// process), as root of this machine: `iptables` there cuts the pod off from its peers.
+    pub fn in_network_of(&self, pod: &Pod, container: &str, command: &[&str]) -> anyhow::Result<String> {
+        let id = container_id(pod, container)?;
+        let listed = self.ctr(&["tasks", "ls"])?;
+        let pid = listed
+            .lines()
+            .find_map(|l| {
+                let mut w = l.split_whitespace();
+                (w.next() == Some(id.as_str())).then(|| w.next()).flatten()
+            })
+            .with_context(|| format!("containerd runs no task {id} ({container} of {})", pod.name_any()))?;
+        let out = std::process::Command::new("nsenter")
+            .args(["-t", pid, "-n", "--"])
+            .args(command)
+            .output()
+            .context("cannot run nsenter (util-linux)")?;
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        anyhow::ensure!(out.status.success(), "{} in {}'s network: {text}", command.join(" "), pod.name_any());
+        Ok(text)
+    }
+
+    /// `ctr -n k8s.io ARGS` against the node's containerd; its output.
+    fn ctr(&self, args: &[&str]) -> anyhow::Result<String> {
         let out = std::process::Command::new("ctr")
             .arg("-a")
             .arg(&self.containerd_socket)
-            .args(["-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", id])
+            .args(["-n", "k8s.io"])
+            .args(args)
             .output()
             .context("cannot run ctr (containerd)")?;
-        anyhow::ensure!(out.status.success(), "ctr tasks kill {id}: {}", String::from_utf8_lossy(&out.stderr));
-        Ok(())
+        anyhow::ensure!(out.status.success(), "ctr {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// Builds the project's images from its Dockerfile (e2e/cluster/images, cached: a rebuild
@@ -150,6 +174,16 @@ pub async fn namespace(client: &Client, test: &str) -> anyhow::Result<String> {
         .await
         .with_context(|| format!("cannot create namespace {name}"))?;
     Ok(name)
+}
+
+/// The runtime's id of container `container` of `pod`, from the pod's status.
+fn container_id(pod: &Pod, container: &str) -> anyhow::Result<String> {
+    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    let id = statuses
+        .and_then(|cs| cs.iter().find(|c| c.name == container))
+        .and_then(|c| c.container_id.clone())
+        .with_context(|| format!("pod {} has no id for container {container}", pod.name_any()))?;
+    Ok(id.trim_start_matches("containerd://").to_string())
 }
 
 /// Where a real-node test starts: the cluster's client, its real node with the project's images
