@@ -312,6 +312,14 @@ pub struct WorkerPlan {
     /// ranks serve the sidecar's local API (docs/local-api.md) instead of synthetic work.
     #[serde(default, skip_serializing_if = "UserProcesses::is_none")]
     pub user_processes: UserProcesses,
+    /// The checkpoint cadence (`spec.checkpoint`).
+    #[serde(default, skip_serializing_if = "crate::spec::CheckpointSpec::is_off")]
+    pub checkpoint: crate::spec::CheckpointSpec,
+    /// The checkpoint this epoch resumes from (`status.resumedFrom` when the operator built the
+    /// plan): the initial weights are that step's version, and the steps start after it. None:
+    /// the run starts at step 1 from version 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<crate::spec::CheckpointRef>,
 }
 
 /// Which roles' work the user's own processes do, through the sidecar's local API.
@@ -375,6 +383,11 @@ pub enum PlanError {
 }
 
 impl WorkerPlan {
+    /// The step whose weights the run starts from: the resumed checkpoint's, else 0.
+    pub fn first_version(&self) -> u32 {
+        self.resume.as_ref().map_or(0, |r| r.step.min(self.workload.steps as u64) as u32)
+    }
+
     /// Parses a plan, checking the format version before anything else, so that a plan of another
     /// version gives the version error rather than a field error.
     pub fn from_json(path: &str, text: &str) -> Result<WorkerPlan, PlanError> {

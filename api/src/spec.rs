@@ -85,6 +85,44 @@ pub struct RLJobSpec {
     /// Prometheus to the metrics port). On by default.
     #[serde(default)]
     pub network_policy: NetworkPolicySpec,
+    /// How often the trainer checkpoints, so that a gang restart resumes after the last
+    /// checkpoint instead of starting over. rlplane never writes the model itself: the user's
+    /// trainer saves it where it chooses and reports where (`Trainer.checkpoint_saved`).
+    #[serde(default, skip_serializing_if = "CheckpointSpec::is_off")]
+    pub checkpoint: CheckpointSpec,
+}
+
+/// The checkpoint cadence (`spec.checkpoint`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointSpec {
+    /// Checkpoint after every this many steps (0, the default: never; every restart starts
+    /// over). The client's `Trainer.checkpoint_due(step)` says when; the synthetic trainer
+    /// checkpoints on its own.
+    #[serde(default)]
+    pub every_steps: u32,
+}
+
+impl CheckpointSpec {
+    /// Whether checkpoints are off (the field is then left out of the serialized spec).
+    pub fn is_off(&self) -> bool {
+        self.every_steps == 0
+    }
+
+    /// Whether the trainer checkpoints after `step`.
+    pub fn due(&self, step: u64) -> bool {
+        self.every_steps > 0 && step > 0 && step.is_multiple_of(self.every_steps as u64)
+    }
+}
+
+/// A checkpoint the trainer saved: the step whose weights it holds and where it is.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointRef {
+    /// The step it holds the trainer's state after (its weights are that version).
+    pub step: u64,
+    /// Where the trainer saved it (a path or URI the user's code chose; opaque to rlplane).
+    pub uri: String,
 }
 
 impl RLJobSpec {
@@ -898,6 +936,13 @@ pub struct RLJobStatus {
     /// What the coordinator is stuck waiting for, while a wait has lasted 5 s or longer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stall: Option<Stall>,
+    /// The newest checkpoint the trainer reported (written by the coordinator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointRef>,
+    /// The checkpoint the current epoch resumed from: the operator sets it at a gang restart
+    /// from `checkpoint`; the new epoch's steps start after its step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<CheckpointRef>,
 }
 
 fn one() -> u32 {

@@ -28,6 +28,8 @@ pub struct JobIdentity {
     pub uid: String,
     /// Epoch (0 at the first start, +1 per gang restart).
     pub epoch: u32,
+    /// The checkpoint this epoch resumes from (`status.resumedFrom`), if any.
+    pub resume: Option<crate::spec::CheckpointRef>,
 }
 
 /// Where pods are reached and what ports their services get.
@@ -364,6 +366,8 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
             trainer: spec.trainer.template.is_some(),
             generation: spec.generation.template.is_some(),
         },
+        checkpoint: spec.checkpoint.clone(),
+        resume: id.resume.clone(),
     })
 }
 

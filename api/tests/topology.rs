@@ -73,7 +73,7 @@ fn spec_of(l: L) -> RLJobSpec {
 }
 
 fn id(epoch: u32) -> JobIdentity {
-    JobIdentity { name: "job".into(), namespace: "ns".into(), uid: "uid-1".into(), epoch }
+    JobIdentity { name: "job".into(), namespace: "ns".into(), uid: "uid-1".into(), epoch, resume: None }
 }
 
 fn plan_of(l: L) -> WorkerPlan {

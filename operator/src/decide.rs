@@ -109,13 +109,15 @@ impl Decision {
     }
 }
 
-/// The operator's part of a status: `step`, `lastRefit` and `stall` belong to the coordinator (its
-/// own field manager), so they are never part of what the operator writes or compares.
+/// The operator's part of a status: `step`, `lastRefit`, `stall` and `checkpoint` belong to the
+/// coordinator (its own field manager), so they are never part of what the operator writes or
+/// compares.
 pub fn operator_status(status: Option<&RLJobStatus>) -> RLJobStatus {
     let mut st = status.cloned().unwrap_or_default();
     st.step = None;
     st.last_refit = None;
     st.stall = None;
+    st.checkpoint = None;
     st
 }
 
@@ -376,6 +378,7 @@ impl<'a> Draft<'a> {
             // none of its ranks can join the resumed gang.
             if conditions::is_true(&self.old.conditions, conditions::PODS_CREATED) {
                 self.st.epoch = epoch + 1;
+                self.resume_from_checkpoint();
             }
             self.st.start_time = None;
             self.event(false, reasons::SUSPENDED, "Suspend", format!("deleting the pods: {message}"));
@@ -447,8 +450,19 @@ impl<'a> Draft<'a> {
     }
 
     /// Tears the gang down for a new epoch: status first, then every pod, then `extra`.
+    /// The next epoch resumes from the newest checkpoint the trainer reported (the coordinator's
+    /// `status.checkpoint`), or from where this epoch resumed when it reported none. Fixed here,
+    /// once per epoch, so that the plan of an epoch never changes while it runs.
+    fn resume_from_checkpoint(&mut self) {
+        let reported = self.job.status.as_ref().and_then(|s| s.checkpoint.clone());
+        if let Some(cp) = reported.or_else(|| self.old.resumed_from.clone()) {
+            self.st.resumed_from = Some(cp);
+        }
+    }
+
     fn restart(mut self, new_epoch: u32, reason: &str, message: String, extra: Vec<Step>) -> Decision {
         self.st.epoch = new_epoch;
+        self.resume_from_checkpoint();
         self.set_phase(Phase::Restarting, Some(conditions::RESTARTING), reason, &message);
         self.set(conditions::PODS_CREATED, false, reasons::RESTARTING, "deleting the pods of the previous epoch");
         self.clear_ready();

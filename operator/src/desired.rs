@@ -143,7 +143,9 @@ pub fn desired(job: &RLJob, epoch: u32, cfg: &OperatorConfig) -> Result<Desired,
     let name = job.metadata.name.clone().ok_or(DesiredError::MissingMetadata("metadata.name"))?;
     let namespace = job.metadata.namespace.clone().unwrap_or_else(|| "default".into());
     let uid = job.metadata.uid.clone().ok_or(DesiredError::MissingMetadata("metadata.uid"))?;
-    let id = JobIdentity { name: name.clone(), namespace: namespace.clone(), uid, epoch };
+    // The resume point the operator fixed when it started this epoch (decide.rs, restart).
+    let resume = job.status.as_ref().filter(|s| s.epoch == epoch).and_then(|s| s.resumed_from.clone());
+    let id = JobIdentity { name: name.clone(), namespace: namespace.clone(), uid, epoch, resume };
     let addressing = ClusterAddressing { job: name.clone(), namespace: namespace.clone() };
     let plan = build_plan(&job.spec, &id, &addressing).map_err(DesiredError::InvalidSpec)?;
     let plan_json = serde_json::to_string(&plan).expect("a plan always serializes");

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use rlplane_api::{LastRefit, Phase, RLJob, RLJobStatus, RoleCounts, load_rljob};
+use rlplane_api::{CheckpointRef, LastRefit, Phase, RLJob, RLJobStatus, RoleCounts, load_rljob};
 use rlplane_operator::conditions::{self, reasons};
 use rlplane_operator::decide::{Decision, RESYNC, Step, WAIT_FOR_PODS, create_failed, decide};
 use rlplane_operator::desired::{OperatorConfig, labels};
@@ -74,10 +74,20 @@ impl Sim {
                     }
                 }
                 Step::WriteStatus(st) => {
-                    assert_eq!((st.step, &st.last_refit), (None, &None), "the operator never writes step/lastRefit");
+                    assert_eq!(
+                        (st.step, &st.last_refit, &st.checkpoint),
+                        (None, &None, &None),
+                        "the operator never writes the coordinator's step, lastRefit, checkpoint"
+                    );
+                    // As a server-side apply under its own field manager: the coordinator's
+                    // fields stay.
                     let old = self.job.status.take().unwrap_or_default();
-                    self.job.status =
-                        Some(RLJobStatus { step: old.step, last_refit: old.last_refit, ..(**st).clone() });
+                    self.job.status = Some(RLJobStatus {
+                        step: old.step,
+                        last_refit: old.last_refit,
+                        checkpoint: old.checkpoint,
+                        ..(**st).clone()
+                    });
                 }
                 Step::DeleteJob => self.deleted_job = true,
                 Step::DeleteObjects => self.deleted_objects += 1,
@@ -926,4 +936,50 @@ fn the_coordinators_fields_are_never_part_of_the_operators_status() {
     assert_eq!((st.step, &st.last_refit), (None, &None));
     let json = serde_json::to_value(st).unwrap();
     assert!(json.get("step").is_none() && json.get("lastRefit").is_none(), "{json}");
+}
+
+#[test]
+fn a_gang_restart_resumes_from_the_newest_checkpoint_and_the_new_plan_says_so() {
+    let mut long = job("rljob-cpu.yaml");
+    long.spec.workload.steps = 100;
+    let mut sim = Sim::running(long);
+    let checkpoint = CheckpointRef { step: 20, uri: "s3://ckpt/grpo-cpu/step-20".into() };
+    sim.job.status.as_mut().unwrap().checkpoint = Some(checkpoint.clone());
+    fail_container(sim.pod("grpo-cpu-gen-1"), 137, "OOMKilled", 40);
+    sim.now = t(45);
+    sim.step();
+    let st = sim.status();
+    assert_eq!((st.epoch, st.resumed_from.as_ref()), (1, Some(&checkpoint)), "fixed when the epoch begins");
+    assert_eq!(st.checkpoint.as_ref(), Some(&checkpoint), "the coordinator's field is untouched");
+
+    // The plan of epoch 1 (built once the old pods are gone) resumes there.
+    sim.now = t(46);
+    let d = sim.step();
+    let Step::ApplyObjects(objects) = &d.steps[0] else { unreachable!("{:?}", steps(&d)) };
+    assert_eq!((objects.plan.job.epoch, objects.plan.resume.as_ref()), (1, Some(&checkpoint)));
+    assert_eq!(objects.plan.first_version(), 20);
+
+    // A newer checkpoint reported while epoch 1 runs changes neither its plan nor its resume
+    // point; the next restart takes it.
+    sim.kubelet_gc();
+    sim.now = t(50);
+    sim.step();
+    let newer = CheckpointRef { step: 30, uri: "s3://ckpt/grpo-cpu/step-30".into() };
+    sim.job.status.as_mut().unwrap().checkpoint = Some(newer.clone());
+    sim.now = t(51);
+    let d = sim.step();
+    for s in &d.steps {
+        if let Step::ApplyObjects(objects) = s {
+            assert_eq!(objects.plan.resume.as_ref(), Some(&checkpoint), "epoch 1's plan stays");
+        }
+    }
+    assert_eq!(sim.status().resumed_from.as_ref(), Some(&checkpoint));
+    for p in ["grpo-cpu-trainer-0", "grpo-cpu-gen-0", "grpo-cpu-gen-1"] {
+        set_ready(sim.pod(p), true);
+    }
+    fail_container(sim.pod("grpo-cpu-gen-0"), 1, "Error", 60);
+    sim.now = t(61);
+    sim.step();
+    let st = sim.status();
+    assert_eq!((st.epoch, st.resumed_from.as_ref()), (2, Some(&newer)));
 }

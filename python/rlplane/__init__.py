@@ -40,7 +40,7 @@ from .errors import (
     StateError,
     TimeoutError,
 )
-from .info import Info, JobInfo, PublishResult, PutResult, RankInfo, RegisterResult, Step, VersionInfo, WeightSpec
+from .info import Info, JobInfo, PublishResult, PutResult, RankInfo, RegisterResult, Resume, Step, VersionInfo, WeightSpec
 
 if TYPE_CHECKING:
     from . import torch, vllm  # noqa: F401
@@ -55,6 +55,7 @@ __all__ = [
     "Info",
     "RankInfo",
     "JobInfo",
+    "Resume",
     "WeightSpec",
     "RegisterResult",
     "PublishResult",

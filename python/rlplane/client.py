@@ -294,10 +294,16 @@ class Trainer(Client):
     ::
 
         with rlplane.Trainer() as trainer:
+            resume = trainer.info.job.resume                # None at the first start
+            if resume:
+                load(model, optimizer, resume.uri)          # the user's own checkpoint format
             rlplane.torch.register_model(trainer, model)   # or trainer.register({...})
-            trainer.publish(0)                              # the initial weights
+            trainer.publish(trainer.initial_version)        # 0, or the restored checkpoint's step
             for batch in trainer.batches():
                 loss = train_step(model, batch)
+                if trainer.checkpoint_due(batch.step):
+                    path = save(model, optimizer, batch.step)
+                    trainer.checkpoint_saved(batch.step, path)
                 trainer.publish(batch.step)
     """
 
@@ -326,6 +332,35 @@ class Trainer(Client):
             bytes=int(reply.get("bytes", 0)),
             raw=reply,
         )
+
+    @property
+    def initial_version(self) -> int:
+        """The version of the first ``publish``: 0 (the initial weights), or, in an epoch that
+        resumes from a checkpoint, that checkpoint's step (the weights restored from it)."""
+        resume = self._info.job.resume
+        return resume.version if resume else 0
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the job wants a checkpoint of the trainer's state after ``step``
+        (``spec.checkpoint.everySteps``; never when it is 0)."""
+        every = self._info.job.checkpoint_every
+        return every > 0 and step > 0 and step % every == 0
+
+    def checkpoint_saved(self, step: int, uri: str) -> None:
+        """Reports that the trainer's state after ``step`` (model, optimizer, whatever it needs
+        to go on) is saved at ``uri``. rlplane never reads it: a gang restart resumes the job after
+        the newest checkpoint reported, and hands ``uri`` back in ``info.job.resume``. Call it
+        before ``publish(step)`` so that the report travels with that step's update.
+
+        Raises:
+            InvalidError: ``uri`` is empty or longer than 4096 bytes.
+            StateError: ``step`` is not a step this trainer has trained.
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise InvalidError(f"step must be an integer, not {step!r}", op="checkpoint_saved")
+        if not isinstance(uri, str) or not uri:
+            raise InvalidError(f"uri must be a non-empty string, not {uri!r}", op="checkpoint_saved")
+        self._call("checkpoint_saved", step=int(step), uri=uri)
 
     def next_batch(self) -> Batch | None:
         """Waits for this rank's batch of the next step; None when the job has ended.

@@ -73,23 +73,61 @@ class RankInfo:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """The checkpoint a restarted job resumes from (``job.resume`` in the hello reply).
+
+    Attributes:
+        step: the step whose state the checkpoint holds; the job's steps go on after it.
+        version: the weights version to publish first (the restored weights): equal to ``step``.
+        uri: where the trainer saved it, as it reported (``Trainer.checkpoint_saved``).
+    """
+
+    step: int
+    version: int
+    uri: str
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Resume:
+        """Parses the hello reply's ``job.resume``."""
+        w = "hello reply's job.resume"
+        step = int(_need(d, "step", w))
+        return cls(step=step, version=int(d.get("version", step)), uri=str(_need(d, "uri", w)))
+
+
+@dataclass(frozen=True)
 class JobInfo:
-    """The job (``job`` in the hello reply)."""
+    """The job (``job`` in the hello reply).
+
+    Attributes:
+        name, namespace: the RLJob's.
+        epoch: 0 at the first start, +1 at every gang restart.
+        steps: the job's last step.
+        checkpoint_every: ``spec.checkpoint.everySteps`` (0: the job takes no checkpoints).
+        resume: the checkpoint this epoch resumes from, or None when it starts at step 1.
+        first_step: the first step this epoch runs (1, or the step after ``resume``).
+    """
 
     name: str
     namespace: str
     epoch: int
     steps: int
+    checkpoint_every: int = 0
+    resume: Resume | None = None
+    first_step: int = 1
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> JobInfo:
         """Parses the hello reply's ``job``."""
         w = "hello reply's job"
+        resume = d.get("resume")
         return cls(
             name=str(_need(d, "name", w)),
             namespace=str(d.get("namespace", "")),
             epoch=int(d.get("epoch", 0)),
             steps=int(_need(d, "steps", w)),
+            checkpoint_every=int(d.get("checkpoint_every", 0) or 0),
+            resume=Resume.from_wire(resume) if resume else None,
+            first_step=int(d.get("first_step", 1)),
         )
 
 

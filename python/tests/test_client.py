@@ -42,6 +42,22 @@ def test_info_parses_the_documented_hello() -> None:
     assert engine.rank.dp is None and engine.rank.engine == 0 and engine.rank.producer
 
 
+def test_info_of_a_resumed_epoch_names_its_checkpoint_and_first_step(shm_dir: Path) -> None:
+    job = {**HELLO["job"], "epoch": 2, "checkpoint_every": 10,
+           "resume": {"step": 40, "version": 40, "uri": "s3://ckpt/step-40"}, "first_step": 41}
+    hello = {**HELLO, "job": job}
+    info = rlplane.Info.from_wire(hello)
+    assert info.job.resume == rlplane.Resume(40, 40, "s3://ckpt/step-40")
+    assert (info.job.checkpoint_every, info.job.first_step) == (10, 41)
+    t, _ = offline(rlplane.Trainer, hello)
+    assert t.initial_version == 40
+    assert [s for s in range(38, 62) if t.checkpoint_due(s)] == [40, 50, 60]
+    with pytest.raises(rlplane.InvalidError, match="uri"):
+        t.checkpoint_saved(40, "")
+    fresh, _ = offline(rlplane.Trainer, HELLO)  # no cadence: never due, publish 0 first
+    assert fresh.initial_version == 0 and not any(fresh.checkpoint_due(s) for s in range(0, 30))
+
+
 def test_info_missing_field_is_a_protocol_error() -> None:
     bad = {k: v for k, v in HELLO.items() if k != "weights"}
     with pytest.raises(rlplane.ProtocolError, match="weights"):

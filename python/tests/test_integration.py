@@ -41,7 +41,8 @@ def rlplane_bin() -> str:
 
 def manifest(tmp: Path, trainer_cmd: list[str], engine_cmd: list[str], *, steps: int = 3, data: int = 2,
              engines: int = 2, name: str = "py-client", gpu: bool = False, tensor: int = 1,
-             tensors: list[dict[str, Any]] | None = None, timeout_s: int = 30, source: str = "Sharded") -> Path:
+             tensors: list[dict[str, Any]] | None = None, timeout_s: int = 30, source: str = "Sharded",
+             checkpoint_every: int = 0) -> Path:
     """An RLJob running the given user commands: `tensor`-way tensor-parallel trainer ranks per
     data-parallel shard, the tiny preset or the explicit `tensors` (spec.model.tensors entries),
     `timeout_s` the bound on each step's commands (spec.refit.timeoutSeconds)."""
@@ -85,6 +86,8 @@ spec:
     responseTokens: {{min: 8, max: 32}}
     seed: 7
 """
+    if checkpoint_every:
+        text += f"  checkpoint:\n    everySteps: {checkpoint_every}\n"
     p = tmp / "rljob.yaml"
     p.write_text(text)
     return p
@@ -177,6 +180,28 @@ def test_a_trainer_failure_fails_the_run_with_its_message(rlplane_bin: str, tmp_
     p = run_local(rlplane_bin, m, tmp_path, timeout=180)
     assert p.returncode != 0
     assert "planned failure at step 2" in p.stdout + p.stderr
+
+
+def test_the_trainer_checkpoints_when_the_job_asks_and_the_coordinator_hears_of_it(rlplane_bin: str,
+                                                                                    tmp_path: Path) -> None:
+    out, saved = tmp_path / "reports", tmp_path / "checkpoints"
+    out.mkdir()
+    saved.mkdir()
+    m = manifest(tmp_path, trainer_cmd(1, "--report", str(out), "--checkpoint-dir", str(saved)),
+                 py("engine.py", "--report", str(out), "--mode", "direct"), data=1, engines=1, steps=4,
+                 checkpoint_every=2)
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    check_job(tmp_path, out, steps=4, ranks=1, engines=1)
+    (t,) = reports(out, "trainer")
+    assert t["job"] == {"checkpoint_every": 2, "first_step": 1, "resume": None, "initial_version": 0}, t["job"]
+    assert [c["step"] for c in t["checkpoints"]] == [2, 4], t["checkpoints"]
+    errors = t["checkpoint_errors"]
+    assert errors["ahead"]["class"] == "StateError" and "step=7" in errors["ahead"]["message"], errors
+    assert errors["empty_uri"]["class"] == "InvalidError", errors
+    # The coordinator heard of each one with the update of its step.
+    for c in t["checkpoints"]:
+        assert f"the trainer saved a checkpoint of step {c['step']}: {c['uri']}" in p.stdout + p.stderr, p.stderr[-3000:]
 
 
 def test_the_sidecars_errors_reach_the_user_as_exceptions(rlplane_bin: str, tmp_path: Path) -> None:

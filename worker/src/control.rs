@@ -136,6 +136,9 @@ pub struct Report {
     /// Named byte counts (e.g. fetched, written back).
     #[serde(default)]
     pub counters: BTreeMap<String, u64>,
+    /// A checkpoint the trainer saved since its last report (trainer ranks, on an update).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<rlplane_api::CheckpointRef>,
 }
 
 /// A rank's message to the coordinator.

@@ -91,9 +91,13 @@ pub enum Progress {
     },
     /// The initial weights reached every engine.
     InitialSync {
+        /// Their version: 0, or the step of the checkpoint the run resumed from.
+        version: u32,
         /// Seconds it took.
         seconds: f64,
     },
+    /// The trainer saved a checkpoint (the newest it reported this step).
+    Checkpoint(rlplane_api::CheckpointRef),
     /// A step finished.
     StepDone(Box<StepRecord>),
     /// A wait has lasted [`crate::patience::REPORT_EVERY`] or longer: what it waits for; `None`
@@ -114,9 +118,10 @@ impl Observer for LogObserver {
     fn progress(&self, event: Progress) {
         match event {
             Progress::Connected { ranks } => tracing::info!(ranks, "every rank connected"),
-            Progress::InitialSync { seconds } => {
-                tracing::info!(seconds = format!("{seconds:.3}"), "initial weights (version 0) loaded everywhere")
+            Progress::InitialSync { version, seconds } => {
+                tracing::info!(version, seconds = format!("{seconds:.3}"), "initial weights loaded everywhere")
             }
+            Progress::Checkpoint(cp) => tracing::info!(step = cp.step, uri = cp.uri, "the trainer saved a checkpoint"),
             Progress::Phase { step, phase } => tracing::debug!(step, phase, "phase"),
             Progress::StepDone(r) => tracing::info!(
                 step = r.step,
@@ -278,13 +283,16 @@ async fn run_steps(
     // The initial weights (version 0) reach every engine before the first step, as a job's first
     // load does; it also keeps one-time costs (first NCCL use, opening IPC handles) out of step 1.
     let t = Instant::now();
-    let first = (plan.workload.steps > 0).then_some(1);
-    let update = server.dispatch(update_commands(&roles, 0, Some(update_seed(0, &[])))).await?;
-    let sync = update_and_refit(&mut server, &roles, 0, update, first, timeout, None).await?;
+    // A resumed run starts from its checkpoint's version instead: the trainer restores it and
+    // publishes it as that version, and the steps go on after it.
+    let v0 = plan.first_version();
+    let first = (plan.workload.steps > v0).then_some(v0 + 1);
+    let update = server.dispatch(update_commands(&roles, v0, Some(update_seed(v0, &[])))).await?;
+    let sync = update_and_refit(&mut server, &roles, v0, update, first, timeout, None).await?;
     let mut generate = sync.generate;
     record.initial_sync_s = t.elapsed().as_secs_f64();
-    observer.progress(Progress::InitialSync { seconds: record.initial_sync_s });
-    for step in 1..=plan.workload.steps {
+    observer.progress(Progress::InitialSync { version: v0, seconds: record.initial_sync_s });
+    for step in v0 + 1..=plan.workload.steps {
         // One trace per step, shared with the ranks' spans of the step (see crate::telemetry).
         let span = tracing::info_span!("step", step);
         crate::telemetry::join_step(&span, &plan.job.token, step);
@@ -638,6 +646,12 @@ async fn update_and_refit(
     let (generate, receiver_refits) = server.split(sent, |c, _| c == "generate");
     update.extend(server.wait(other_updates, deadline).instrument(tracing::info_span!("update")).await?);
     let update_wall = t.elapsed().as_secs_f64();
+    if let Some(o) = observer {
+        let saved = update.values().filter_map(|r| r.checkpoint.as_ref()).max_by_key(|c| c.step);
+        if let Some(cp) = saved {
+            o.progress(Progress::Checkpoint(cp.clone()));
+        }
+    }
     let refit_deadline = Instant::now() + timeout;
     let refit = server
         .wait(sender_refits.merge(receiver_refits), refit_deadline)

@@ -253,7 +253,7 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
     let name = job.metadata.name.clone().unwrap_or_else(|| "local".into());
     let scratch = tempdir(&name)?;
     let uid = format!("local-{}-{}", std::process::id(), scratch.file_name().and_then(|s| s.to_str()).unwrap_or(""));
-    let id = JobIdentity { name: name.clone(), namespace: "local".into(), uid, epoch: 0 };
+    let id = JobIdentity { name: name.clone(), namespace: "local".into(), uid, epoch: 0, resume: None };
     let addressing = LocalAddressing::new(&scratch);
     let mut plan = build_plan(&job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
     // A fresh key for this run, readable only by this user; the plan says where it is.
@@ -613,8 +613,8 @@ impl Observer for Arc<Ui> {
     fn progress(&self, event: Progress) {
         match event {
             Progress::Connected { ranks } => self.line(format!("all {ranks} ranks connected")),
-            Progress::InitialSync { seconds } => {
-                self.line(format!("initial weights (version 0) loaded into every engine in {seconds:.3}s"))
+            Progress::InitialSync { version, seconds } => {
+                self.line(format!("initial weights (version {version}) loaded into every engine in {seconds:.3}s"))
             }
             Progress::Phase { step, phase } => {
                 self.phases.lock().expect("phase lock").insert(step, phase);
@@ -628,6 +628,9 @@ impl Observer for Arc<Ui> {
                 }
             }
             Progress::Stalled(None) => {}
+            Progress::Checkpoint(cp) => {
+                self.line(format!("the trainer saved a checkpoint of step {}: {}", cp.step, cp.uri))
+            }
             Progress::StepDone(r) => {
                 let line = format!(
                     "step {}/{}: {:.3}s (generate {:.3}s, transfer {:.3}s, train {:.3}s, refit {:.4}s), {} samples, {} tokens, imbalance {:.3}, weights v{} everywhere",

@@ -138,7 +138,8 @@ pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> 
         crate::metrics::HandshakeRefusals::register(&mut registry, auth.refusals());
         let served = crate::metrics::RankMetrics::default().serve(registry).await;
         crate::roles::announce_ready(served.addr());
-        let reporter = crate::status::StatusReporter::in_cluster(&plan.job.namespace, &plan.job.name).await;
+        let reporter =
+            crate::status::StatusReporter::in_cluster(&plan.job.namespace, &plan.job.name, plan.resume.clone()).await;
         let observer = crate::status::ReportingObserver { inner: LogObserver, reporter };
         let observed = crate::metrics::MetricsObserver { inner: &observer, metrics };
         let record = tokio::select! {

@@ -1,11 +1,13 @@
 //! The coordinator's report of progress into its RLJob's status.
 //!
-//! The operator owns the RLJob's status except three fields the coordinator owns: `status.step`,
-//! `status.lastRefit` and `status.stall` (what a wait of the coordinator's that has lasted
-//! [`crate::patience::REPORT_EVERY`] waits for; gone when it ends). The coordinator writes them
+//! The operator owns the RLJob's status except four fields the coordinator owns: `status.step`,
+//! `status.lastRefit`, `status.stall` (what a wait of the coordinator's that has lasted
+//! [`crate::patience::REPORT_EVERY`] waits for; gone when it ends) and `status.checkpoint` (the
+//! newest checkpoint the trainer reported; a resumed epoch starts with the one it resumed from,
+//! so that the field is never lost between epochs). The coordinator writes them
 //! with a server-side-apply patch of the status subresource under its own field manager
 //! (`rlplane-coordinator`), so the two writers never fight over fields; the pod's ServiceAccount
-//! may patch only its own job's status. Every patch carries all three as they stand (a field left
+//! may patch only its own job's status. Every patch carries all four as they stand (a field left
 //! out of an apply is removed). Reports are throttled (at most one a second, the last one always)
 //! and best-effort: a failed report is logged, never fatal to the job.
 
@@ -13,7 +15,7 @@ use std::time::Duration;
 
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
-use rlplane_api::RLJob;
+use rlplane_api::{CheckpointRef, RLJob};
 use tokio::sync::mpsc;
 
 use crate::coordinator::{Observer, Progress, StepRecord};
@@ -22,13 +24,16 @@ use crate::patience::Stall;
 /// Field manager of the coordinator's status writes.
 pub const FIELD_MANAGER: &str = "rlplane-coordinator";
 
-/// What the coordinator has to say in the status: the last finished step and the current stall.
+/// What the coordinator has to say in the status: the last finished step, the current stall and
+/// the newest checkpoint.
 #[derive(Clone, Debug, Default)]
 pub struct CoordinatorStatus {
     /// The last finished step.
     pub step: Option<StepRecord>,
     /// What a long wait waits for right now.
     pub stall: Option<Stall>,
+    /// The newest checkpoint the trainer reported.
+    pub checkpoint: Option<CheckpointRef>,
 }
 
 /// The status patch for what the coordinator has to say.
@@ -57,6 +62,9 @@ pub fn status_patch(now: &CoordinatorStatus) -> serde_json::Value {
             }),
         );
     }
+    if let Some(cp) = &now.checkpoint {
+        status.insert("checkpoint".into(), serde_json::json!({"step": cp.step, "uri": cp.uri}));
+    }
     serde_json::json!({"apiVersion": "rlplane.dev/v1alpha1", "kind": "RLJob", "status": status})
 }
 
@@ -64,6 +72,7 @@ pub fn status_patch(now: &CoordinatorStatus) -> serde_json::Value {
 enum Report {
     Step(StepRecord),
     Stall(Option<Stall>),
+    Checkpoint(CheckpointRef),
 }
 
 /// Reports steps and stalls into an RLJob's status from a background task.
@@ -74,8 +83,9 @@ pub struct StatusReporter {
 
 impl StatusReporter {
     /// A reporter for job `name` in `namespace`, when running inside a cluster (in-cluster
-    /// credentials); `None` elsewhere (e.g. `rlplane local`).
-    pub async fn in_cluster(namespace: &str, name: &str) -> Option<StatusReporter> {
+    /// credentials); `None` elsewhere (e.g. `rlplane local`). `resumed` is the checkpoint the
+    /// epoch resumed from: it stays the reported one until the trainer saves a newer one.
+    pub async fn in_cluster(namespace: &str, name: &str, resumed: Option<CheckpointRef>) -> Option<StatusReporter> {
         std::env::var_os("KUBERNETES_SERVICE_HOST")?;
         let client = match Client::try_default().await {
             Ok(c) => c,
@@ -89,7 +99,7 @@ impl StatusReporter {
         let name = name.to_string();
         let task = tokio::spawn(async move {
             let params = PatchParams::apply(FIELD_MANAGER);
-            let mut now = CoordinatorStatus::default();
+            let mut now = CoordinatorStatus { checkpoint: resumed, ..Default::default() };
             while let Some(first) = rx.recv().await {
                 // Take in whatever else arrived meanwhile: only the newest of each matters.
                 let mut next = Some(first);
@@ -97,6 +107,7 @@ impl StatusReporter {
                     match report {
                         Report::Step(step) => now.step = Some(step),
                         Report::Stall(stall) => now.stall = stall,
+                        Report::Checkpoint(cp) => now.checkpoint = Some(cp),
                     }
                 }
                 if let Err(e) = api.patch_status(&name, &params, &Patch::Apply(status_patch(&now))).await {
@@ -133,6 +144,9 @@ impl<O: Observer> Observer for ReportingObserver<O> {
                 Progress::Stalled(stall) => {
                     let _ = rep.tx.send(Report::Stall(stall.clone()));
                 }
+                Progress::Checkpoint(cp) => {
+                    let _ = rep.tx.send(Report::Checkpoint(cp.clone()));
+                }
                 _ => {}
             }
         }
@@ -154,11 +168,13 @@ mod tests {
             ..Default::default()
         };
         let stall = Stall { phase: "train".into(), waiting_for: vec!["trainer-1".into()], seconds: 12.4 };
-        let p = status_patch(&CoordinatorStatus { step: Some(rec), stall: Some(stall) });
+        let checkpoint = Some(CheckpointRef { step: 5, uri: "s3://ckpt/step-5".into() });
+        let p = status_patch(&CoordinatorStatus { step: Some(rec), stall: Some(stall), checkpoint });
         let status = p["status"].as_object().unwrap();
         let mut keys: Vec<&String> = status.keys().collect();
         keys.sort();
-        assert_eq!(keys, ["lastRefit", "stall", "step"], "never the operator's fields");
+        assert_eq!(keys, ["checkpoint", "lastRefit", "stall", "step"], "never the operator's fields");
+        assert_eq!(p["status"]["checkpoint"]["uri"], "s3://ckpt/step-5");
         assert_eq!(p["status"]["lastRefit"]["summary"], "v7 0.044s");
         assert_eq!(p["status"]["stall"]["message"], "train: waiting 12s for trainer-1");
         assert_eq!(p["kind"], "RLJob");
@@ -170,11 +186,12 @@ mod tests {
 
     #[test]
     fn a_stall_that_ended_leaves_the_patch_and_so_the_status() {
-        let p = status_patch(&CoordinatorStatus { step: Some(StepRecord::default()), stall: None });
+        let p = status_patch(&CoordinatorStatus { step: Some(StepRecord::default()), ..Default::default() });
         assert!(p["status"].get("stall").is_none(), "an apply without the field removes it");
         let before_any_step = status_patch(&CoordinatorStatus {
             step: None,
             stall: Some(Stall { phase: "connecting".into(), waiting_for: vec!["gen-0".into()], seconds: 5.0 }),
+            checkpoint: None,
         });
         assert!(before_any_step["status"].get("step").is_none());
         assert_eq!(before_any_step["status"]["stall"]["waitingFor"][0], "gen-0");

@@ -354,7 +354,8 @@ fn a_rank_without_its_key_file_stops_naming_the_file_the_secret_and_the_fix() {
     use rlplane_api::topology::{ClusterAddressing, JobIdentity, build_plan};
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests/rljob-cpu.yaml")).unwrap();
     let job = rlplane_api::load_rljob(&text).unwrap();
-    let id = JobIdentity { name: "grpo-cpu".into(), namespace: "ml".into(), uid: "uid-1".into(), epoch: 2 };
+    let id =
+        JobIdentity { name: "grpo-cpu".into(), namespace: "ml".into(), uid: "uid-1".into(), epoch: 2, resume: None };
     let mut plan =
         build_plan(&job.spec, &id, &ClusterAddressing { job: "grpo-cpu".into(), namespace: "ml".into() }).unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -218,7 +218,13 @@ async fn a_pod_serves_health_readiness_and_every_ranks_metrics_on_the_plan_port(
     job.spec.observability.metrics_port = port;
     let dir = std::env::temp_dir().join(format!("rlplane-test-pod-metrics-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let id = JobIdentity { name: "grpo-cpu-colocated".into(), namespace: "test".into(), uid: "uid-1".into(), epoch: 0 };
+    let id = JobIdentity {
+        name: "grpo-cpu-colocated".into(),
+        namespace: "test".into(),
+        uid: "uid-1".into(),
+        epoch: 0,
+        resume: None,
+    };
     let mut plan = {
         let addressing = rlplane::local::LocalAddressing::new(&dir);
         build_plan(&job.spec, &id, &addressing).unwrap()

@@ -132,7 +132,7 @@ fn spec(tp: u32, dp: u32, placement: TqPlacement) -> RLJobSpec {
 
 #[tokio::test]
 async fn roles_come_from_the_plan_and_followers_cannot_write() {
-    let id = JobIdentity { name: "job".into(), namespace: "ns".into(), uid: "u".into(), epoch: 3 };
+    let id = JobIdentity { name: "job".into(), namespace: "ns".into(), uid: "u".into(), epoch: 3, resume: None };
     let addr = ClusterAddressing { job: "job".into(), namespace: "ns".into() };
     let plan = build_plan(&spec(2, 2, TqPlacement::ProducerLocal), &id, &addr).unwrap();
     let mut roles = BTreeMap::new();

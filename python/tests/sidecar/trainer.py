@@ -49,6 +49,26 @@ def probe_errors(t: rlplane.Trainer, held: list) -> dict:
     return out
 
 
+def checkpoint(t: rlplane.Trainer, directory: str, step: int, report: dict) -> None:
+    """Saves the trainer's state after `step` (here: just the step) and reports it; the first
+    time, also what the sidecar answers to a checkpoint of a step not trained yet and to an
+    empty URI."""
+    path = os.path.join(directory, f"{t.info.rank.name}-step-{step}.json")
+    with open(path, "w") as f:
+        json.dump({"step": step}, f)
+    if "checkpoints" not in report:
+        report["checkpoint_errors"] = {}
+        for key, (s, uri) in {"ahead": (step + 5, path), "empty_uri": (step, "")}.items():
+            try:
+                t.checkpoint_saved(s, uri)
+                report["checkpoint_errors"][key] = None
+            except rlplane.RlplaneError as e:
+                report["checkpoint_errors"][key] = {"class": type(e).__name__, "message": e.message}
+        report["checkpoints"] = []
+    t.checkpoint_saved(step, path)
+    report["checkpoints"].append({"step": step, "uri": path})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", required=True)
@@ -56,12 +76,17 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="where the torch model lives (cpu, cuda)")
     ap.add_argument("--fail-at", type=int, default=None, help="call fail() at this step")
     ap.add_argument("--probe-errors", action="store_true", help="first provoke the sidecar's errors and record them")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="save a checkpoint (the version, as a file) where the job asks for one and report it")
     args = ap.parse_args()
     report: dict = {"batches": []}
     with rlplane.Trainer(timeout=60) as t:
         info = t.info
         report["rank"] = info.rank.name
         report["hello"] = info.raw
+        report["job"] = {"checkpoint_every": info.job.checkpoint_every, "first_step": info.job.first_step,
+                         "resume": None if info.job.resume is None else vars(info.job.resume),
+                         "initial_version": t.initial_version}
         held = [(i, w) for i, w in enumerate(info.weights) if w.held]
         if args.probe_errors:
             report["errors"] = probe_errors(t, held)
@@ -108,6 +133,8 @@ def main() -> int:
                 report["failed_at"] = batch.step
                 break
             set_version(batch.step)
+            if args.checkpoint_dir and t.checkpoint_due(batch.step):
+                checkpoint(t, args.checkpoint_dir, batch.step, report)
             p = t.publish(batch.step)
             report["publish"].append({"version": p.version, "refit_s": p.refit_s, "bytes": p.bytes})
         report["done"] = True

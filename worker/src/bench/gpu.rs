@@ -338,6 +338,7 @@ pub async fn start(args: &GpuBenchArgs) -> anyhow::Result<Launched> {
         namespace: "bench".into(),
         uid: format!("bench-{}", std::process::id()),
         epoch: 0,
+        resume: None,
     };
     let mut plan = build_plan(&spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
     drop(addressing);

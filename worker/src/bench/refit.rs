@@ -338,6 +338,7 @@ pub fn loopback_plan(o: &HarnessOptions, ipc_dir: &Path) -> anyhow::Result<Worke
         namespace: "local".into(),
         uid: format!("bench-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos()),
         epoch: 0,
+        resume: None,
     };
     let addr = LoopbackAddressing { ipc_dir: ipc_dir.display().to_string(), ports: Mutex::default() };
     build_plan(&spec, &id, &addr).map_err(|e| anyhow::anyhow!("the bench job is invalid:\n{e}"))

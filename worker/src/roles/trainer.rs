@@ -54,6 +54,10 @@ struct Trainer {
     /// The step and digest of the last batch trained on: the update's seed when the coordinator
     /// leaves it to the rank.
     last_batch: Option<(u32, u64)>,
+    /// The synthetic trainer's checkpoints (rank 0 reports them): the cadence and the URI prefix.
+    /// Its weights at a version derive from that version's seed alone, so a checkpoint holds
+    /// nothing to save: resuming regenerates them.
+    synthetic_checkpoints: Option<(rlplane_api::CheckpointSpec, String)>,
 }
 
 /// Runs trainer rank `me`.
@@ -158,8 +162,22 @@ pub async fn run(
     let tq = TqClient::new(ClientConfig::from_plan(plan, me, auth)?, None)?;
     let timeout = std::time::Duration::from_secs(plan.refit.timeout_seconds as u64);
     let verify = plan.refit.verify;
-    let mut rank =
-        Trainer { coords, tq, fanout, shard_plan, shard, sender, metrics, user, timeout, verify, last_batch: None };
+    let synthetic_checkpoints = (user.is_none() && coords.rank == 0 && !plan.checkpoint.is_off())
+        .then(|| (plan.checkpoint.clone(), format!("synthetic:{}/{}", plan.job.namespace, plan.job.name)));
+    let mut rank = Trainer {
+        coords,
+        tq,
+        fanout,
+        shard_plan,
+        shard,
+        sender,
+        metrics,
+        user,
+        timeout,
+        verify,
+        last_batch: None,
+        synthetic_checkpoints,
+    };
     let served = serve_commands(&mut control, &mut rank, &plan.job.token).await;
     super::end_user_session(rank.user.as_ref(), &served).await;
     served
@@ -317,6 +335,7 @@ impl Trainer {
                 digest,
                 bytes: w.total_bytes(),
                 phases: [("user".to_string(), waited), ("digest".to_string(), secs(t))].into(),
+                checkpoint: link.take_checkpoint(),
                 ..Default::default()
             });
         }
@@ -337,7 +356,13 @@ impl Trainer {
             }
             None => None,
         };
-        Ok(Report { busy_secs: secs(t), digest, bytes: self.shard.total_bytes(), ..Default::default() })
+        let checkpoint = match &self.synthetic_checkpoints {
+            Some((every, uri)) if every.due(step as u64) => {
+                Some(rlplane_api::CheckpointRef { step: step as u64, uri: format!("{uri}/step-{step}") })
+            }
+            _ => None,
+        };
+        Ok(Report { busy_secs: secs(t), digest, bytes: self.shard.total_bytes(), checkpoint, ..Default::default() })
     }
 
     async fn refit(&mut self, version: u64) -> anyhow::Result<Report> {

@@ -120,7 +120,11 @@ impl RankInfo {
                      "leader": leader, "engine": engine, "engine_rank": engine_rank, "producer": producer,
                      "local": role_local_index(&self.plan, self.me)},
             "job": {"name": self.plan.job.name, "namespace": self.plan.job.namespace, "epoch": self.plan.job.epoch,
-                    "steps": self.plan.workload.steps},
+                    "steps": self.plan.workload.steps,
+                    "checkpoint_every": self.plan.checkpoint.every_steps,
+                    "resume": self.plan.resume.as_ref().map(|r| json!({
+                        "step": self.plan.first_version(), "version": self.plan.first_version(), "uri": r.uri})),
+                    "first_step": self.plan.first_version() + 1},
             "device": if self.plan.device == rlplane_api::Device::Gpu { "gpu" } else { "cpu" },
             "gpu": self.gpu.as_ref().map(|g| json!({"ordinal": g.ordinal()})),
             "transport": match self.kind { TransportKind::Tcp => "tcp", TransportKind::Nccl => "nccl", TransportKind::Ipc => "cuda_ipc" },
@@ -201,6 +205,8 @@ struct State {
     published: Option<u64>,
     /// The outcome of publishing a version.
     refit: Option<(u64, Result<Value, String>)>,
+    /// A checkpoint the user saved that the coordinator has not heard of yet.
+    checkpoint: Option<rlplane_api::CheckpointRef>,
     // Engine.
     /// The step the coordinator asked for, and whether `next_step` handed it out.
     step: Option<(u32, bool)>,
@@ -251,10 +257,12 @@ impl Link {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(info.shared_mode()))
             .with_context(|| format!("setting the permissions of the local API socket {}", path.display()))?;
         let (changed, _) = watch::channel(0);
+        // A resumed run's first publish is the restored checkpoint's version.
+        let first_version = info.plan.first_version() as u64;
         let link = Link {
             info: Arc::new(info),
             shared: Arc::new(Shared {
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State { next_version: first_version, ..State::default() }),
                 changed,
                 weights: tokio::sync::Mutex::new(None),
             }),
@@ -382,6 +390,11 @@ impl Link {
             s.published.filter(|&p| p >= version).map(|_| ())
         })
         .await
+    }
+
+    /// Trainer: the checkpoint the user saved since the last update's report, if any.
+    pub fn take_checkpoint(&self) -> Option<rlplane_api::CheckpointRef> {
+        self.update(|s| s.checkpoint.take())
     }
 
     /// Trainer: the refit of `version` ended (answers the user's `publish`).

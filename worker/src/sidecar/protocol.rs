@@ -166,6 +166,14 @@ pub enum Request {
         /// The version (the step).
         version: u64,
     },
+    /// Trainer: a checkpoint of the trainer's state after `step` is saved at `uri`; a gang
+    /// restart resumes from the newest one.
+    CheckpointSaved {
+        /// The step whose state (and weights version) it holds.
+        step: u64,
+        /// Where it is (a path or URI of the user's choosing).
+        uri: String,
+    },
     /// Trainer: the next step's batch.
     NextBatch {},
     /// Engine producer: the next step to generate.
@@ -225,6 +233,7 @@ pub const OPS: &[&str] = &[
     "hello",
     "register_weights",
     "publish",
+    "checkpoint_saved",
     "next_batch",
     "next_step",
     "put",

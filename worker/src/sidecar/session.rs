@@ -20,6 +20,9 @@ use crate::refit::WeightsState;
 use crate::shm::SharedFile;
 use crate::tq::{Batch, Column, FieldSpec, PutOptions};
 
+/// The longest checkpoint URI a trainer may report (it goes into the RLJob's status).
+const MAX_CHECKPOINT_URI: usize = 4096;
+
 /// Serves one connection until it closes.
 pub async fn serve(link: Link, stream: UnixStream) {
     let (mut rd, mut wr) = stream.into_split();
@@ -246,6 +249,27 @@ impl Session {
                     Ok(v) => Reply::Now(v),
                     Err(e) => return Err(ApiError::new(ErrorKind::Failed, e)),
                 }
+            }
+            Request::CheckpointSaved { step, uri } => {
+                self.need(Role::Trainer, "checkpoint_saved")?;
+                let first = self.link.info.plan.first_version() as u64;
+                self.link.update(|s| -> Result<(), ApiError> {
+                    if uri.is_empty() || uri.len() > MAX_CHECKPOINT_URI {
+                        return Err(invalid(format!(
+                            "checkpoint_saved: uri is {} bytes; give the path or URI of the checkpoint (1 to {MAX_CHECKPOINT_URI} bytes)",
+                            uri.len()
+                        )));
+                    }
+                    if step < first || step > s.next_version {
+                        return Err(state(format!(
+                            "checkpoint_saved(step={step}) but the trainer is at step {}: report the step whose state the checkpoint holds, after training on it",
+                            s.next_version
+                        )));
+                    }
+                    s.checkpoint = Some(rlplane_api::CheckpointRef { step, uri });
+                    Ok(())
+                })?;
+                Reply::Now(json!({"ok": true}))
             }
             Request::NextBatch {} => {
                 self.need(Role::Trainer, "next_batch")?;
