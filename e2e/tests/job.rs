@@ -604,11 +604,12 @@ fn user_python() -> anyhow::Result<Option<PathBuf>> {
 }
 
 #[tokio::test]
-async fn users_own_trainer_and_engine_run_tiny_grpo_through_the_cluster() -> anyhow::Result<()> {
+async fn users_own_trainer_and_engine_run_tiny_grpo_through_the_cluster_and_resume_when_killed() -> anyhow::Result<()> {
     // examples/tiny-grpo/rljob.yaml applied as it is, but for absolute paths to its scripts (the
     // node agent runs containers in their pod's directory) and a result file for the trainer: the
     // operator renders the user's containers beside the worker as a native sidecar, the node agent
-    // runs both, and they meet on the pod's socket directory and /dev/shm.
+    // runs both, and they meet on the pod's socket directory and /dev/shm. Killed mid-run, it
+    // resumes from its last checkpoint (issue 28).
     let Some(python) = user_python()? else { return Ok(()) };
     let Some(c) = Cluster::start_with("job-tiny-grpo", [("python".to_string(), python)]).await? else {
         return Ok(());
@@ -628,9 +629,25 @@ async fn users_own_trainer_and_engine_run_tiny_grpo_through_the_cluster() -> any
             1,
         )
     })?;
+    // Killed mid-run: once the trainer has reported its step-20 checkpoint (it saves one every
+    // 10 steps), every process of its pod gets SIGKILL; the gang restarts and resumes there.
+    let saved = |j: &RLJob| j.status.as_ref().and_then(|s| s.checkpoint.as_ref()).is_some_and(|c| c.step >= 20);
+    let before = c.wait(&name, "the step-20 checkpoint", saved).await?;
+    let trainer = format!("{name}-trainer-0");
+    c.kill_worker(&trainer).await?;
+    let killed_at = before.status.as_ref().and_then(|s| s.step).unwrap_or(0);
+    println!("killed every process of {trainer} near step {killed_at}");
     let job = c.wait(&name, "Succeeded", |j| phase_of(j) == Some(Phase::Succeeded)).await?;
     let st = job.status.as_ref().unwrap();
-    assert_eq!(st.restarts, 0, "no gang restart: {:?}", rlplane_e2e::gang_restart_events(&c.env, &name).await?);
+    assert_eq!(
+        (st.restarts, st.epoch),
+        (1, 1),
+        "one gang restart: {:?}",
+        rlplane_e2e::gang_restart_events(&c.env, &name).await?
+    );
+    let resumed = st.resumed_from.clone().context("status.resumedFrom")?;
+    println!("epoch 1 resumed after step {} ({})", resumed.step, resumed.uri);
+    assert!(resumed.step >= 20 && killed_at.saturating_sub(resumed.step) <= 10, "{resumed:?}, killed near {killed_at}");
     assert_eq!(st.step, Some(job.spec.workload.steps as u64), "every step reported: {st:?}");
     let text =
         std::fs::read_to_string(&result).with_context(|| format!("the trainer wrote no {}", result.display()))?;
@@ -638,7 +655,9 @@ async fn users_own_trainer_and_engine_run_tiny_grpo_through_the_cluster() -> any
     println!("tiny-grpo through the cluster: first reward {}, final {}", r["first_reward"], r["final_reward"]);
     assert_eq!(r["passed"], true, "the mean reward passed the example's threshold: {r}");
     let curve = r["curve"].as_array().context("a curve in the result")?;
-    assert_eq!(curve.len() as u32, job.spec.workload.steps, "a row per step");
+    // The curve continues across the restart: the checkpoint carried the rows before it.
+    let steps: Vec<u64> = curve.iter().filter_map(|row| row["step"].as_u64()).collect();
+    assert_eq!(steps, (1..=job.spec.workload.steps as u64).collect::<Vec<_>>(), "a row per step, once");
     // The trainer compared, at every step, the engine's probe logits for the weights that
     // generated the step (version step - 1) with its own (it fails the job on a difference).
     for row in curve {

@@ -8,6 +8,12 @@ Besides learning, it checks refit: the engine sends, with each step's rollouts, 
 computes for a fixed probe batch with the weights it holds; they must be bit-identical to the
 logits the trainer computed for the weights it published. Any difference fails the job.
 
+With `spec.checkpoint.everySteps`, it saves the policy, the optimizer and the curve so far where
+the job asks (`t.checkpoint_due`) under --checkpoint-dir or $TINY_GRPO_CHECKPOINT_DIR and reports
+each; an epoch that resumes after a gang restart loads the one rlplane names and goes on from
+there. Every random stream derives from (seed, step), so a resumed run's curve equals an
+uninterrupted one's.
+
 Prints one JSON line per step; writes a result JSON (the curve and the pass/fail of the
 threshold) to --result or $TINY_GRPO_RESULT.
 """
@@ -16,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -42,7 +49,13 @@ def device_of(info) -> torch.device:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--result", default=os.environ.get("TINY_GRPO_RESULT"), help="write the result JSON here")
+    ap.add_argument("--checkpoint-dir", default=os.environ.get("TINY_GRPO_CHECKPOINT_DIR"),
+                    help="where checkpoints go (default: one for this process under the temporary directory)")
+    ap.add_argument("--fail-once-at", type=int, default=os.environ.get("TINY_GRPO_FAIL_ONCE_AT"),
+                    help="fail at this step, once per --checkpoint-dir (to try resuming)")
     args = ap.parse_args()
+    if args.fail_once_at is not None and not args.checkpoint_dir:
+        ap.error("--fail-once-at needs --checkpoint-dir (or $TINY_GRPO_CHECKPOINT_DIR): it remembers the failure there")
 
     grpo.set_deterministic()
     start = time.monotonic()
@@ -60,8 +73,22 @@ def main() -> int:
         rlplane.torch.register_model(t, model)
         optimizer = grpo.make_optimizer(model, cfg)
         probe = grpo.probe_prompts(cfg)
+        job = t.info.job
+        # By default a directory of this process's own, so that runs at once never share one; a
+        # restarted epoch reads the checkpoint at the path the trainer reported.
+        checkpoints = args.checkpoint_dir or os.path.join(
+            tempfile.gettempdir(), "tiny-grpo-checkpoints", f"{job.namespace}-{job.name}-{os.getpid()}")
+        if job.resume is not None:
+            # A restarted gang: the policy, the optimizer and the curve as they were after the
+            # checkpoint's step; the steps go on after it.
+            saved = torch.load(job.resume.uri, map_location=device, weights_only=False)
+            with torch.no_grad():
+                model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            curve = saved["curve"]
+            print(json.dumps({"resumed": {"step": job.resume.step, "checkpoint": job.resume.uri}}), flush=True)
 
-        t.publish(0)  # the initial weights, before the engine generates step 1
+        t.publish(t.initial_version)  # the initial (or restored) weights, before the engine generates
         published = grpo.probe_logits(model, probe)  # what an engine holding version 0 must compute
 
         for batch in t.batches():
@@ -73,14 +100,28 @@ def main() -> int:
             compared = check_probe(batch.step, held, published, engine_probes)
 
             metrics = grpo.train_step(model, optimizer, rollouts, cfg, batch.step)
-            refit = t.publish(batch.step)
-            published = grpo.probe_logits(model, probe)
-
+            if args.fail_once_at is not None and batch.step == int(args.fail_once_at):
+                marker = os.path.join(checkpoints, "failed-once")
+                if not os.path.exists(marker):
+                    os.makedirs(checkpoints, exist_ok=True)
+                    open(marker, "w").close()
+                    t.fail(f"planned failure at step {batch.step} (--fail-once-at)")
+                    return 3
             # What was compared: `engines` probe logits computed with weights `version` by the
             # engines, each equal bit for bit to the trainer's (check_probe raised otherwise).
             row = {"step": batch.step, **{k: round(v, 4) for k, v in metrics.items()},
-                   "probe": {"version": held, "engines": compared},
-                   "refit_s": round(refit.refit_s, 4), "elapsed_s": round(time.monotonic() - start, 2)}
+                   "probe": {"version": held, "engines": compared}}
+            if t.checkpoint_due(batch.step):
+                # Saved before publishing: the report travels with this step's update.
+                os.makedirs(checkpoints, exist_ok=True)
+                path = os.path.join(checkpoints, f"step-{batch.step}.pt")
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "curve": curve + [row], "step": batch.step}, path)
+                t.checkpoint_saved(batch.step, path)
+            refit = t.publish(batch.step)
+            published = grpo.probe_logits(model, probe)
+
+            row.update(refit_s=round(refit.refit_s, 4), elapsed_s=round(time.monotonic() - start, 2))
             curve.append(row)
             print(json.dumps(row), flush=True)
 

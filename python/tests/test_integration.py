@@ -204,6 +204,41 @@ def test_the_trainer_checkpoints_when_the_job_asks_and_the_coordinator_hears_of_
         assert f"the trainer saved a checkpoint of step {c['step']}: {c['uri']}" in p.stdout + p.stderr, p.stderr[-3000:]
 
 
+def test_a_failed_epoch_restarts_the_gang_and_resumes_after_the_last_checkpoint(rlplane_bin: str,
+                                                                               tmp_path: Path) -> None:
+    out, saved = tmp_path / "reports", tmp_path / "checkpoints"
+    out.mkdir()
+    saved.mkdir()
+    trainer = trainer_cmd(1, "--report", str(out), "--checkpoint-dir", str(saved), "--fail-at", "5",
+                          "--fail-once-marker", str(tmp_path / "failed-once"))
+    m = manifest(tmp_path, trainer, py("engine.py", "--report", str(out), "--mode", "direct"), data=1, engines=1,
+                 steps=8, checkpoint_every=2)
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    assert "gang restart 1/3 with epoch 1, resuming after step 4" in p.stderr, p.stderr[-3000:]
+    assert "planned failure at step 5" in p.stderr, p.stderr[-3000:]
+    # The reports are epoch 1's: it resumed from step 4's checkpoint and ran steps 5 to 8.
+    (t,) = reports(out, "trainer")
+    assert t["job"]["resume"]["step"] == 4 and t["job"]["first_step"] == 5, t["job"]
+    assert t["hello"]["job"]["epoch"] == 1
+    assert [b["step"] for b in t["batches"]] == [5, 6, 7, 8]
+    assert [x["version"] for x in t["publish"]] == [4, 5, 6, 7, 8], t["publish"]
+    assert [c["step"] for c in t["checkpoints"]] == [6, 8]
+    (e,) = reports(out, "engine")
+    assert [s["step"] for s in e["steps"]] == [5, 6, 7, 8], e["steps"]
+    for s in e["steps"]:
+        assert s["bad"] == [] and s["held"] == s["step"] - 1, s  # the restored weights, then each step's
+
+
+def test_without_checkpoints_a_failure_ends_the_local_run_at_once(rlplane_bin: str, tmp_path: Path) -> None:
+    out = tmp_path / "reports"
+    out.mkdir()
+    trainer = trainer_cmd(1, "--report", str(out), "--fail-at", "2", "--fail-once-marker", str(tmp_path / "failed"))
+    m = manifest(tmp_path, trainer, py("engine.py", "--report", str(out), "--mode", "direct"), data=1, engines=1)
+    p = run_local(rlplane_bin, m, tmp_path, timeout=180)
+    assert p.returncode != 0 and "gang restart" not in p.stderr, p.stderr[-3000:]
+
+
 def test_the_sidecars_errors_reach_the_user_as_exceptions(rlplane_bin: str, tmp_path: Path) -> None:
     out = tmp_path / "reports"
     out.mkdir()

@@ -222,6 +222,17 @@ enum Failure {
     Error(anyhow::Error),
 }
 
+impl Failure {
+    /// What went wrong, in one message.
+    fn describe(&self) -> String {
+        match self {
+            Failure::Interrupted => "interrupted".into(),
+            Failure::Coordinator(e) => e.to_string(),
+            Failure::Error(e) => format!("{e:#}"),
+        }
+    }
+}
+
 impl<E: Into<anyhow::Error>> From<E> for Failure {
     fn from(e: E) -> Self {
         Failure::Error(e.into())
@@ -253,183 +264,300 @@ async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Opt
     let name = job.metadata.name.clone().unwrap_or_else(|| "local".into());
     let scratch = tempdir(&name)?;
     let uid = format!("local-{}-{}", std::process::id(), scratch.file_name().and_then(|s| s.to_str()).unwrap_or(""));
-    let id = JobIdentity { name: name.clone(), namespace: "local".into(), uid, epoch: 0, resume: None };
-    let addressing = LocalAddressing::new(&scratch);
-    let mut plan = build_plan(&job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
-    // A fresh key for this run, readable only by this user; the plan says where it is.
-    let key = JobAuth::generate_key()?;
-    let key_path = scratch.join("job.key");
-    crate::net::write_key_file(&key_path, &key)
-        .with_context(|| format!("writing the job key {}", key_path.display()))?;
-    plan.job.key_file = key_path.display().to_string();
-    let auth = JobAuth::new(&plan.job.token, &key);
-    for pod in &plan.pods {
-        use std::os::unix::fs::DirBuilderExt;
-        // This user's only, like everything under the scratch directory.
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&pod.ipc_dir)
-            .with_context(|| format!("creating {}", pod.ipc_dir))?;
-    }
-    let plan_path = scratch.join("plan.json");
-    std::fs::write(&plan_path, plan.to_json()).with_context(|| format!("writing {}", plan_path.display()))?;
-    // Release the reserved ports only now; the coordinator binds its own at once.
-    drop(addressing);
-    let (control, tq) = bind_coordinator(&plan).await?;
-    // The coordinator's metrics, and with --metrics-port one /metrics merging them with every rank's.
-    let mut registry = crate::metrics::JobLabels::of(&plan).registry(&[]);
-    let coordinator_metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
-    crate::metrics::HandshakeRefusals::register(&mut registry, auth.refusals());
-    let merged = match metrics_port {
-        Some(port) => {
-            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.with_context(|| {
-                format!("--metrics-port {port}: cannot listen on 127.0.0.1:{port}; pick a free port")
-            })?;
-            let own = crate::metrics::JobLabels::of(&plan).registry(&[]);
-            let merged = crate::metrics::MergedMetrics::new(own, vec![Arc::new(registry)]);
-            let app = crate::metrics::router(merged.clone());
-            tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
-            });
-            Some(merged)
-        }
-        None => None,
-    };
+    let run = LocalRun::start(job, name, uid, transport, gpus, scratch, metrics_port).await?;
+    let result = run.epochs(json).await;
+    let _ = std::fs::remove_dir_all(&run.scratch);
+    result
+}
 
-    let ui = Ui::new(&plan);
-    ui.line(format!(
-        "rlplane local: job {name}, {:?} mode, {} processes ({} trainer, {} generation), refit over {:?}, {} steps",
-        plan.mode,
-        plan.processes.len(),
-        plan.layout.trainer_world,
-        plan.layout.generation_world,
-        transport,
-        plan.workload.steps
-    ));
-    // On GPUs every pod gets its own physical GPUs (pods' slots all start at 0), and the ranks
-    // find pip's NCCL through a link on their library path.
-    let (bases, library) = match &gpus {
-        Some(info) => {
-            ui.line(format!("{} GPU(s): {}", info.devices, info.name));
-            (Some(crate::local::gpu_bases(&plan, info.devices)?), crate::gpu::nccl_library_dir(&scratch))
-        }
-        None => (None, None),
-    };
-    let mut sup = Supervisor::new(ui.sink());
-    for (i, p) in plan.processes.iter().enumerate() {
-        if i as u32 == plan.coordinator {
-            continue;
-        }
-        let mut cmd = child_command(&plan_path, &p.name, library.as_deref())?;
-        // This run's key, whatever the calling shell's environment says.
-        cmd.env(rlplane_api::plan::KEY_FILE_ENV, &key_path);
-        if let Some(b) = &bases {
-            cmd.env(crate::gpu::GPU_BASE_ENV, b[p.pod as usize].to_string());
-        }
-        sup.spawn(&p.name, &describe(&plan, i as u32), cmd).with_context(|| format!("starting {}", p.name))?;
-    }
-    sup.watch();
-    if let Some(m) = &merged {
-        // The ranks announce their metrics endpoints when ready (they connect to the coordinator
-        // afterwards, and wait for it).
-        if let Err(e) = sup.wait_ready(Duration::from_secs(300)).await {
-            let why = match e {
-                crate::supervisor::ReadyError::Exited(x) => x.describe(),
-                crate::supervisor::ReadyError::Timeout(names) => format!("not ready after 300s: {}", names.join(", ")),
-            };
-            sup.stop(Duration::from_secs(5)).await;
-            let _ = std::fs::remove_dir_all(&scratch);
-            return Err(Failure::Error(anyhow::anyhow!(why)));
-        }
-        m.set_children(crate::pod::children_metrics(&sup));
-        ui.line(format!("metrics at http://127.0.0.1:{}/metrics", metrics_port.unwrap_or_default()));
-    }
-    // The user's own trainer / engine containers, as the pods run them beside the worker.
-    let mut user_processes = std::collections::HashSet::new();
-    for u in user_commands(&job.spec, &plan, bases.as_deref())? {
-        let mut command = u.command;
-        // The user's processes end with the run, whatever happens to it.
-        command.kill_on_drop(true);
-        sup.spawn(&u.name, &u.role, command).with_context(|| format!("starting {} ({})", u.name, u.role))?;
-        user_processes.insert(u.name);
-    }
-    sup.watch();
+/// What a run of `rlplane local` keeps over its epochs: the job, where it lives, its output and
+/// its metrics.
+struct LocalRun {
+    job: rlplane_api::RLJob,
+    name: String,
+    uid: String,
+    transport: RefitTransport,
+    gpus: Option<crate::gpu::GpuInfo>,
+    scratch: PathBuf,
+    ui: Arc<Ui>,
+    coordinator_metrics: crate::metrics::CoordinatorMetrics,
+    /// Handshake refusals over every epoch (each epoch has a key of its own).
+    refusals: crate::net::Refusals,
+    merged: Option<Arc<crate::metrics::MergedMetrics>>,
+    metrics_port: Option<u16>,
+}
 
-    let outcome = {
-        let observer = crate::metrics::MetricsObserver { inner: &ui, metrics: coordinator_metrics };
-        let coordinated = coordinator::run(&plan, &auth, control, tq, &observer);
-        tokio::pin!(coordinated);
-        loop {
-            tokio::select! {
-                r = &mut coordinated => break r.map_err(Failure::Coordinator),
-                e = sup.next_exit() => {
-                    // A rank that exits before the coordinator is done has failed, whatever its code.
-                    let Some(e) = e else { continue };
-                    // A user process may end once it has read the job's end (its rank notices
-                    // one that ends early: it no longer answers).
-                    if e.success() && user_processes.contains(&e.name) { continue; }
-                    let mut msg = e.describe();
-                    if e.success() { msg.push_str(" before the run finished"); }
-                    break Err(Failure::Error(anyhow::anyhow!(msg)));
-                }
-                _ = tokio::signal::ctrl_c() => break Err(Failure::Interrupted),
-            }
-        }
-    };
-    ui.finish();
-    let record = match outcome {
-        Ok(x) => x,
-        Err(Failure::Coordinator(e)) => {
-            // The coordinator often notices a dead rank first, and not always through that
-            // rank: its connection drops, or a peer reports a refit that broke off. The
-            // supervisor knows which rank died, its role and how. Prefer that.
-            let why = match blame(&mut sup, e.rank(), Duration::from_secs(2)).await {
-                Some(exit) => anyhow::anyhow!("{}\n(coordinator: {e})", exit.describe()),
-                None => e.into(),
-            };
-            sup.stop(Duration::from_secs(5)).await;
-            let _ = std::fs::remove_dir_all(&scratch);
-            return Err(Failure::Error(why));
-        }
-        Err(f) => {
-            sup.stop(Duration::from_secs(5)).await;
-            let _ = std::fs::remove_dir_all(&scratch);
-            return Err(f);
-        }
-    };
-    // Every rank got Shutdown: wait for them to exit cleanly.
-    let mut failures = Vec::new();
-    while sup.running() > 0 {
-        match tokio::time::timeout(Duration::from_secs(30), sup.next_exit()).await {
-            Ok(Some(e)) if !e.success() => failures.push(e.describe()),
-            Ok(Some(_)) => {}
-            Ok(None) => break,
-            Err(_) => {
-                failures.push(format!("{} rank(s) did not exit within 30s of Shutdown", sup.running()));
-                sup.stop(Duration::from_secs(2)).await;
-                break;
-            }
-        }
-    }
-    let _ = std::fs::remove_dir_all(&scratch);
-    if !failures.is_empty() {
-        return Err(Failure::Error(anyhow::anyhow!(failures.join("\n"))));
-    }
-    let summary = Summary::of(&record);
-    print!("{}", summary.table());
-    if let Some(path) = json {
-        let doc = JsonSummary {
-            job: &name,
-            mode: format!("{:?}", plan.mode),
-            transport: format!("{transport:?}"),
-            summary: &summary,
-            steps: &record,
+impl LocalRun {
+    /// The run's output and metrics (with `--metrics-port`, one /metrics merging the
+    /// coordinator's with every rank's).
+    async fn start(
+        job: rlplane_api::RLJob,
+        name: String,
+        uid: String,
+        transport: RefitTransport,
+        gpus: Option<crate::gpu::GpuInfo>,
+        scratch: PathBuf,
+        metrics_port: Option<u16>,
+    ) -> Result<LocalRun, Failure> {
+        // The job's labels (name, mode, transport) are the same in every epoch's plan.
+        let labels = {
+            let id =
+                JobIdentity { name: name.clone(), namespace: "local".into(), uid: uid.clone(), epoch: 0, resume: None };
+            let addressing = LocalAddressing::new(&scratch.join("labels"));
+            crate::metrics::JobLabels::of(&build_plan(&job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?)
         };
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        let mut registry = labels.registry(&[]);
+        let coordinator_metrics = crate::metrics::CoordinatorMetrics::register(&mut registry);
+        let refusals = crate::net::Refusals::default();
+        crate::metrics::HandshakeRefusals::register(&mut registry, &refusals);
+        let merged = match metrics_port {
+            Some(port) => {
+                let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.with_context(|| {
+                    format!("--metrics-port {port}: cannot listen on 127.0.0.1:{port}; pick a free port")
+                })?;
+                let merged = crate::metrics::MergedMetrics::new(labels.registry(&[]), vec![Arc::new(registry)]);
+                let app = crate::metrics::router(merged.clone());
+                tokio::spawn(async move {
+                    let _ = axum::serve(listener, app).await;
+                });
+                Some(merged)
+            }
+            None => None,
+        };
+        let ui = Ui::new(job.spec.workload.steps);
+        Ok(LocalRun {
+            job,
+            name,
+            uid,
+            transport,
+            gpus,
+            scratch,
+            ui,
+            coordinator_metrics,
+            refusals,
+            merged,
+            metrics_port,
+        })
     }
-    Ok(())
+
+    /// Runs epoch after epoch until one finishes the job. With checkpoints on
+    /// (`spec.checkpoint.everySteps`), a failed epoch restarts the gang, up to
+    /// `spec.runPolicy.backoffLimit` times, from the newest checkpoint the trainer reported, as
+    /// the operator does; without them a failure ends the run (a restart would start over).
+    async fn epochs(&self, json: Option<&Path>) -> Result<(), Failure> {
+        let spec = &self.job.spec;
+        let limit = if spec.checkpoint.is_off() { 0 } else { spec.run_policy.backoff_limit };
+        let mut resume: Option<rlplane_api::CheckpointRef> = None;
+        let mut epoch = 0;
+        let (plan, record) = loop {
+            match self.epoch(epoch, resume.clone()).await {
+                Ok(done) => break done,
+                Err(Failure::Interrupted) => return Err(Failure::Interrupted),
+                Err(f) if epoch >= limit => return Err(f),
+                Err(f) => {
+                    resume = self.ui.checkpoint().or(resume);
+                    epoch += 1;
+                    let from = match &resume {
+                        Some(cp) => format!("resuming after step {} ({})", cp.step, cp.uri),
+                        None => "no checkpoint yet: starting over".to_string(),
+                    };
+                    self.ui.line(format!(
+                        "gang restart {epoch}/{limit} with epoch {epoch}, {from}; it failed: {}",
+                        f.describe()
+                    ));
+                }
+            }
+        };
+        let summary = Summary::of(&record);
+        print!("{}", summary.table());
+        if let Some(path) = json {
+            let doc = JsonSummary {
+                job: &self.name,
+                mode: format!("{:?}", plan.mode),
+                transport: format!("{:?}", self.transport),
+                summary: &summary,
+                steps: &record,
+            };
+            std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
+    /// One epoch: its plan (resuming from `resume`), a fresh key, every rank and user process,
+    /// the coordinator; the run's record once every rank exited cleanly.
+    async fn epoch(
+        &self,
+        epoch: u32,
+        resume: Option<rlplane_api::CheckpointRef>,
+    ) -> Result<(WorkerPlan, RunRecord), Failure> {
+        let scratch = self.scratch.join(format!("epoch-{epoch}"));
+        std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
+        let id =
+            JobIdentity { name: self.name.clone(), namespace: "local".into(), uid: self.uid.clone(), epoch, resume };
+        let addressing = LocalAddressing::new(&scratch);
+        let mut plan = build_plan(&self.job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
+        // A fresh key for each epoch, readable only by this user; the plan says where it is.
+        let key = JobAuth::generate_key()?;
+        let key_path = scratch.join("job.key");
+        crate::net::write_key_file(&key_path, &key)
+            .with_context(|| format!("writing the job key {}", key_path.display()))?;
+        plan.job.key_file = key_path.display().to_string();
+        let auth = JobAuth::new(&plan.job.token, &key).counting_into(&self.refusals);
+        for pod in &plan.pods {
+            use std::os::unix::fs::DirBuilderExt;
+            // This user's only, like everything under the scratch directory.
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&pod.ipc_dir)
+                .with_context(|| format!("creating {}", pod.ipc_dir))?;
+        }
+        let plan_path = scratch.join("plan.json");
+        std::fs::write(&plan_path, plan.to_json()).with_context(|| format!("writing {}", plan_path.display()))?;
+        // Release the reserved ports only now; the coordinator binds its own at once.
+        drop(addressing);
+        let (control, tq) = bind_coordinator(&plan).await?;
+        if epoch == 0 {
+            self.ui.line(format!(
+                "rlplane local: job {}, {:?} mode, {} processes ({} trainer, {} generation), refit over {:?}, {} steps",
+                self.name,
+                plan.mode,
+                plan.processes.len(),
+                plan.layout.trainer_world,
+                plan.layout.generation_world,
+                self.transport,
+                plan.workload.steps
+            ));
+        }
+        self.ui.resumed(plan.resume.clone());
+        let mut sup = Supervisor::new(self.ui.sink());
+        let user_processes = self.spawn(&plan, &plan_path, &key_path, &scratch, &mut sup).await?;
+        let outcome = {
+            let observer =
+                crate::metrics::MetricsObserver { inner: &self.ui, metrics: self.coordinator_metrics.clone() };
+            let coordinated = coordinator::run(&plan, &auth, control, tq, &observer);
+            tokio::pin!(coordinated);
+            loop {
+                tokio::select! {
+                    r = &mut coordinated => break r.map_err(Failure::Coordinator),
+                    e = sup.next_exit() => {
+                        // A rank that exits before the coordinator is done has failed, whatever its code.
+                        let Some(e) = e else { continue };
+                        // A user process may end once it has read the job's end (its rank notices
+                        // one that ends early: it no longer answers).
+                        if e.success() && user_processes.contains(&e.name) { continue; }
+                        let mut msg = e.describe();
+                        if e.success() { msg.push_str(" before the run finished"); }
+                        break Err(Failure::Error(anyhow::anyhow!(msg)));
+                    }
+                    _ = tokio::signal::ctrl_c() => break Err(Failure::Interrupted),
+                }
+            }
+        };
+        self.ui.finish();
+        let record = match outcome {
+            Ok(x) => x,
+            Err(Failure::Coordinator(e)) => {
+                // The coordinator often notices a dead rank first, and not always through that
+                // rank: its connection drops, or a peer reports a refit that broke off. The
+                // supervisor knows which rank died, its role and how. Prefer that.
+                let why = match blame(&mut sup, e.rank(), Duration::from_secs(2)).await {
+                    Some(exit) => anyhow::anyhow!("{}\n(coordinator: {e})", exit.describe()),
+                    None => e.into(),
+                };
+                sup.stop(Duration::from_secs(5)).await;
+                return Err(Failure::Error(why));
+            }
+            Err(f) => {
+                sup.stop(Duration::from_secs(5)).await;
+                return Err(f);
+            }
+        };
+        // Every rank got Shutdown: wait for them to exit cleanly.
+        let mut failures = Vec::new();
+        while sup.running() > 0 {
+            match tokio::time::timeout(Duration::from_secs(30), sup.next_exit()).await {
+                Ok(Some(e)) if !e.success() => failures.push(e.describe()),
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(_) => {
+                    failures.push(format!("{} rank(s) did not exit within 30s of Shutdown", sup.running()));
+                    sup.stop(Duration::from_secs(2)).await;
+                    break;
+                }
+            }
+        }
+        if !failures.is_empty() {
+            return Err(Failure::Error(anyhow::anyhow!(failures.join("\n"))));
+        }
+        Ok((plan, record))
+    }
+
+    /// Starts every rank but the coordinator, then the user's own containers; returns the names
+    /// of the user's processes.
+    async fn spawn(
+        &self,
+        plan: &WorkerPlan,
+        plan_path: &Path,
+        key_path: &Path,
+        scratch: &Path,
+        sup: &mut Supervisor,
+    ) -> Result<std::collections::HashSet<String>, Failure> {
+        // On GPUs every pod gets its own physical GPUs (pods' slots all start at 0), and the ranks
+        // find pip's NCCL through a link on their library path.
+        let (bases, library) = match &self.gpus {
+            Some(info) => {
+                if plan.job.epoch == 0 {
+                    self.ui.line(format!("{} GPU(s): {}", info.devices, info.name));
+                }
+                (Some(crate::local::gpu_bases(plan, info.devices)?), crate::gpu::nccl_library_dir(scratch))
+            }
+            None => (None, None),
+        };
+        for (i, p) in plan.processes.iter().enumerate() {
+            if i as u32 == plan.coordinator {
+                continue;
+            }
+            let mut cmd = child_command(plan_path, &p.name, library.as_deref())?;
+            // This epoch's key, whatever the calling shell's environment says.
+            cmd.env(rlplane_api::plan::KEY_FILE_ENV, key_path);
+            if let Some(b) = &bases {
+                cmd.env(crate::gpu::GPU_BASE_ENV, b[p.pod as usize].to_string());
+            }
+            sup.spawn(&p.name, &describe(plan, i as u32), cmd).with_context(|| format!("starting {}", p.name))?;
+        }
+        sup.watch();
+        if let Some(m) = &self.merged {
+            // The ranks announce their metrics endpoints when ready (they connect to the
+            // coordinator afterwards, and wait for it).
+            if let Err(e) = sup.wait_ready(Duration::from_secs(300)).await {
+                let why = match e {
+                    crate::supervisor::ReadyError::Exited(x) => x.describe(),
+                    crate::supervisor::ReadyError::Timeout(names) => {
+                        format!("not ready after 300s: {}", names.join(", "))
+                    }
+                };
+                sup.stop(Duration::from_secs(5)).await;
+                return Err(Failure::Error(anyhow::anyhow!(why)));
+            }
+            m.set_children(crate::pod::children_metrics(sup));
+            if plan.job.epoch == 0 {
+                self.ui.line(format!("metrics at http://127.0.0.1:{}/metrics", self.metrics_port.unwrap_or_default()));
+            }
+        }
+        // The user's own trainer / engine containers, as the pods run them beside the worker.
+        let mut user_processes = std::collections::HashSet::new();
+        for u in user_commands(&self.job.spec, plan, bases.as_deref())? {
+            let mut command = u.command;
+            // The user's processes end with the epoch, whatever happens to it.
+            command.kill_on_drop(true);
+            sup.spawn(&u.name, &u.role, command).with_context(|| format!("starting {} ({})", u.name, u.role))?;
+            user_processes.insert(u.name);
+        }
+        sup.watch();
+        Ok(user_processes)
+    }
 }
 
 /// A user container's command, ready to run as a child.
@@ -560,6 +688,9 @@ struct Ui {
     steps: u32,
     bars: Option<(MultiProgress, ProgressBar)>,
     phases: Mutex<HashMap<u32, &'static str>>,
+    /// The newest checkpoint of the current epoch: the trainer's last report, else the one the
+    /// epoch resumed from.
+    checkpoint: Mutex<Option<rlplane_api::CheckpointRef>>,
 }
 
 struct BarSink(MultiProgress);
@@ -571,10 +702,10 @@ impl OutputSink for BarSink {
 }
 
 impl Ui {
-    fn new(plan: &WorkerPlan) -> Arc<Ui> {
+    fn new(steps: u32) -> Arc<Ui> {
         let bars = std::io::stderr().is_terminal().then(|| {
             let mp = MultiProgress::new();
-            let bar = mp.add(ProgressBar::new(plan.workload.steps as u64));
+            let bar = mp.add(ProgressBar::new(steps as u64));
             bar.set_style(
                 ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {elapsed_precise} {msg}")
                     .expect("a valid template")
@@ -583,7 +714,20 @@ impl Ui {
             bar.enable_steady_tick(Duration::from_millis(100));
             (mp, bar)
         });
-        Arc::new(Ui { steps: plan.workload.steps, bars, phases: Mutex::new(HashMap::new()) })
+        Arc::new(Ui { steps, bars, phases: Mutex::new(HashMap::new()), checkpoint: Mutex::new(None) })
+    }
+
+    /// A new epoch begins, resuming from `from` (if any).
+    fn resumed(&self, from: Option<rlplane_api::CheckpointRef>) {
+        if let Some(cp) = &from {
+            self.line(format!("resuming after the checkpoint of step {}: {}", cp.step, cp.uri));
+        }
+        *self.checkpoint.lock().expect("checkpoint lock") = from;
+    }
+
+    /// The newest checkpoint of the current epoch.
+    fn checkpoint(&self) -> Option<rlplane_api::CheckpointRef> {
+        self.checkpoint.lock().expect("checkpoint lock").clone()
     }
 
     fn sink(self: &Arc<Self>) -> Arc<dyn OutputSink> {
@@ -629,7 +773,8 @@ impl Observer for Arc<Ui> {
             }
             Progress::Stalled(None) => {}
             Progress::Checkpoint(cp) => {
-                self.line(format!("the trainer saved a checkpoint of step {}: {}", cp.step, cp.uri))
+                self.line(format!("the trainer saved a checkpoint of step {}: {}", cp.step, cp.uri));
+                *self.checkpoint.lock().expect("checkpoint lock") = Some(cp);
             }
             Progress::StepDone(r) => {
                 let line = format!(

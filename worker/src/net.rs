@@ -500,6 +500,12 @@ impl JobAuth {
         &self.refusals
     }
 
+    /// The same, counting its refusals into `refusals` (one count over a process's epochs).
+    pub fn counting_into(mut self, refusals: &Refusals) -> JobAuth {
+        self.refusals = refusals.clone();
+        self
+    }
+
     fn proof(&self, label: &[u8], hello: &[u8], server_nonce: &[u8]) -> hmac::Tag {
         let mut ctx = hmac::Context::with_key(&self.key);
         ctx.update(label);

@@ -9,6 +9,7 @@ without it.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,41 @@ def test_rlplane_run_fails_when_the_engine_holds_other_weights(rlplane_bin, tmp_
     run = rlplane_local(rlplane_bin, job, tmp_path / "result.json", "--steps", "2")
     assert run.returncode != 0
     assert "probe logits for weights version 0 differ" in run.stdout + run.stderr
+
+
+def test_killed_mid_run_it_resumes_from_its_checkpoint_and_still_follows_the_reference(rlplane_bin, tmp_path):
+    """The trainer checkpoints every 10 steps; at step 25 its process is killed (SIGKILL). rlplane
+    local restarts the gang from the step-20 checkpoint, and the finished run is still the
+    reference run, step for step: the policy, the optimizer and the curve came back exactly."""
+    job = EXAMPLE / "rljob.yaml"
+    assert "everySteps: 10" in job.read_text()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+               PYTHONPATH=str(REPO / "python"), TINY_GRPO_RESULT=str(tmp_path / "result.json"),
+               TINY_GRPO_CHECKPOINT_DIR=str(tmp_path / "checkpoints"))
+    proc = subprocess.Popen([rlplane_bin, "local", str(job)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, killed = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and '"step": 25,' in line:
+                found = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "examples/tiny-grpo/train.py"],
+                                       capture_output=True, text=True).stdout.split()
+                assert found, "the trainer process is rlplane local's child"
+                killed = int(found[0])
+                os.kill(killed, signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        proc.kill()
+    out = "".join(lines)
+    assert killed is not None, out[-4000:]
+    assert proc.returncode == 0, out[-4000:]
+    assert "gang restart 1/3 with epoch 1, resuming after step 20" in out, out[-4000:]
+    assert '"resumed": {"step": 20' in out, out[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] == grpo.Config.steps and result["passed"], {k: v for k, v in result.items() if k != "curve"}
+    subprocess.run([sys.executable, str(EXAMPLE / "reference.py"), "--out", str(tmp_path / "ref.json")], check=True,
+                   capture_output=True)
+    reference = json.loads((tmp_path / "ref.json").read_text())
+    same = lambda r: [{k: v for k, v in row.items() if k not in ("elapsed_s", "refit_s")} for row in r["curve"]]  # noqa: E731
+    assert same(result) == same(reference)

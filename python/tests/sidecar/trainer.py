@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--torch", action="store_true", help="register a torch model through rlplane.torch")
     ap.add_argument("--device", default="cpu", help="where the torch model lives (cpu, cuda)")
     ap.add_argument("--fail-at", type=int, default=None, help="call fail() at this step")
+    ap.add_argument("--fail-once-marker", default=None,
+                    help="with --fail-at: fail only if this file does not exist yet, and create it")
     ap.add_argument("--probe-errors", action="store_true", help="first provoke the sidecar's errors and record them")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="save a checkpoint (the version, as a file) where the job asks for one and report it")
@@ -112,8 +114,14 @@ def main() -> int:
                     with torch.no_grad():
                         params[w.name].fill_(pattern(v, i))
 
-        set_version(0)
-        p = t.publish(0)
+        # A resumed epoch restores the checkpoint (here: the step it names) and publishes it.
+        first = t.initial_version
+        if info.job.resume is not None:
+            with open(info.job.resume.uri) as f:
+                restored = json.load(f)["step"]
+            assert restored == first, (restored, first)
+        set_version(first)
+        p = t.publish(first)
         report["publish"] = [{"version": p.version, "refit_s": p.refit_s, "bytes": p.bytes}]
         for batch in t.batches():
             ids = batch["input_ids"]
@@ -128,7 +136,10 @@ def main() -> int:
                 "logprobs_len": [len(s) for s in batch["logprobs"].as_list()],
                 "tags": batch.tags,
             })
-            if args.fail_at is not None and batch.step == args.fail_at:
+            if args.fail_at is not None and batch.step == args.fail_at and not (
+                    args.fail_once_marker and os.path.exists(args.fail_once_marker)):
+                if args.fail_once_marker:
+                    open(args.fail_once_marker, "w").close()
                 t.fail(f"planned failure at step {batch.step}")
                 report["failed_at"] = batch.step
                 break
@@ -141,7 +152,7 @@ def main() -> int:
     path = os.path.join(args.report, f"trainer-{report['rank']}.json")
     with open(path, "w") as f:
         json.dump(report, f)
-    return 3 if args.fail_at is not None else 0
+    return 3 if "failed_at" in report else 0
 
 
 if __name__ == "__main__":
