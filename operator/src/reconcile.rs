@@ -342,34 +342,49 @@ where
 }
 
 async fn apply_objects(client: &Client, ns: &str, d: &Desired) -> Result<(), Error> {
-    apply(&Api::<ServiceAccount>::namespaced(client.clone(), ns), "ServiceAccount", ns, &d.service_account).await?;
-    apply(&Api::<Role>::namespaced(client.clone(), ns), "Role", ns, &d.role).await?;
-    apply(&Api::<RoleBinding>::namespaced(client.clone(), ns), "RoleBinding", ns, &d.role_binding).await?;
-    apply(&Api::<Service>::namespaced(client.clone(), ns), "Service", ns, &d.service).await?;
-    apply(&Api::<ConfigMap>::namespaced(client.clone(), ns), "ConfigMap", ns, &d.config_map).await?;
-    create_key_secret(client, ns, d).await?;
+    // One round of concurrent applies (they depend on nothing of each other), then the
+    // RoleBinding: the API server's escalation check reads the Role it binds. Before a new gang
+    // this is two round trips, not one per object.
     let policies = Api::<NetworkPolicy>::namespaced(client.clone(), ns);
-    match &d.network_policy {
-        Some(np) => apply(&policies, "NetworkPolicy", ns, np).await?,
-        None => delete_named(policies, "NetworkPolicy", ns, &network_policy_name(&d.plan.job.name)).await?,
-    }
-    if let Some(pg) = &d.pod_group {
-        let types = pg.types.clone().unwrap_or_default();
-        let (group, version) = types.api_version.split_once('/').unwrap_or(("", types.api_version.as_str()));
-        let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, &types.kind));
-        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
-        match apply(&api, "PodGroup", ns, pg).await {
-            Err(Error::Kube { source, .. }) if is_code(&source, 404) => {
-                return Err(gang_missing(if group == "scheduling.volcano.sh" {
-                    GangScheduler::Volcano
-                } else {
-                    GangScheduler::Coscheduling
-                }));
-            }
-            other => other?,
+    let network_policy = async {
+        match &d.network_policy {
+            Some(np) => apply(&policies, "NetworkPolicy", ns, np).await,
+            None => delete_named(policies.clone(), "NetworkPolicy", ns, &network_policy_name(&d.plan.job.name)).await,
         }
+    };
+    let (accounts, roles) =
+        (Api::<ServiceAccount>::namespaced(client.clone(), ns), Api::<Role>::namespaced(client.clone(), ns));
+    let (services, maps) =
+        (Api::<Service>::namespaced(client.clone(), ns), Api::<ConfigMap>::namespaced(client.clone(), ns));
+    futures::try_join!(
+        apply(&accounts, "ServiceAccount", ns, &d.service_account),
+        apply(&roles, "Role", ns, &d.role),
+        apply(&services, "Service", ns, &d.service),
+        apply(&maps, "ConfigMap", ns, &d.config_map),
+        create_key_secret(client, ns, d),
+        network_policy,
+        apply_pod_group(client, ns, d),
+    )?;
+    apply(&Api::<RoleBinding>::namespaced(client.clone(), ns), "RoleBinding", ns, &d.role_binding).await
+}
+
+/// Applies the job's PodGroup, when it has one; a missing PodGroup API names the gang scheduler.
+async fn apply_pod_group(client: &Client, ns: &str, d: &Desired) -> Result<(), Error> {
+    let Some(pg) = &d.pod_group else { return Ok(()) };
+    let types = pg.types.clone().unwrap_or_default();
+    let (group, version) = types.api_version.split_once('/').unwrap_or(("", types.api_version.as_str()));
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, &types.kind));
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    match apply(&api, "PodGroup", ns, pg).await {
+        Err(Error::Kube { source, .. }) if is_code(&source, 404) => {
+            Err(gang_missing(if group == "scheduling.volcano.sh" {
+                GangScheduler::Volcano
+            } else {
+                GangScheduler::Coscheduling
+            }))
+        }
+        other => other,
     }
-    Ok(())
 }
 
 /// Creates the epoch's key Secret with a fresh random key unless it exists (an epoch keeps its

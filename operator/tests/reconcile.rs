@@ -166,38 +166,80 @@ impl ApiServer {
         bodies
     }
 
-    /// The objects every active reconcile applies, in this order: the epoch's key Secret is
-    /// created (answered as new, so the previous epoch's is then deleted), never applied or read;
-    /// the NetworkPolicy is applied last.
+    /// The objects every active reconcile applies: one round of concurrent requests, in any
+    /// order — the ServiceAccount, Role, Service, plan ConfigMap and NetworkPolicy applied, the
+    /// epoch's key Secret created (answered as new, so the previous epoch's is then deleted),
+    /// never applied or read — then the RoleBinding, whose escalation check reads the Role.
     async fn apply_objects(&mut self, job: &str) -> Vec<Value> {
-        let mut bodies = Vec::new();
-        for uri in [
+        self.apply_objects_with(job, None).await
+    }
+
+    /// [`Api::apply_objects`] with a PodGroup applied in the first round and answered with
+    /// `(its path, status)`; a refused PodGroup ends the objects there (no RoleBinding). The
+    /// bodies come back in the order ServiceAccount, Role, RoleBinding, Service, ConfigMap,
+    /// Secret, NetworkPolicy, then the PodGroup.
+    async fn apply_objects_with(&mut self, job: &str, pod_group: Option<(String, u16)>) -> Vec<Value> {
+        let mut applies: BTreeSet<String> = [
             format!("/api/v1/namespaces/{NS}/serviceaccounts/{job}-worker"),
             format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/{job}-worker"),
-            format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings/{job}-worker"),
             format!("/api/v1/namespaces/{NS}/services/{job}-headless"),
             format!("/api/v1/namespaces/{NS}/configmaps/{job}-plan"),
-        ] {
-            bodies.extend(self.applies(&[uri]).await);
+            format!("/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{job}-ingress"),
+        ]
+        .into();
+        if let Some((path, _)) = &pod_group {
+            applies.insert(path.clone());
         }
-        let (secret, send) =
-            self.expect(Method::POST, &format!("/api/v1/namespaces/{NS}/secrets?&fieldManager=rlplane-operator")).await;
-        send.send_response(respond(201, &secret));
-        let epoch: u32 = secret["metadata"]["labels"][labels::EPOCH].as_str().unwrap().parse().unwrap();
-        // The uid is 6f1c-uid: its first 8 letters and digits.
-        assert_eq!(secret["metadata"]["name"], format!("{job}-key-6f1cuid-e{epoch}"));
-        assert_eq!(secret["immutable"], true);
-        if epoch > 0 {
-            let (body, send) = self
-                .expect(Method::DELETE, &format!("/api/v1/namespaces/{NS}/secrets/{job}-key-6f1cuid-e{}?", epoch - 1))
-                .await;
-            assert_eq!(body["propagationPolicy"], "Background");
-            send.send_response(respond(200, &success()));
+        let secrets = format!("/api/v1/namespaces/{NS}/secrets");
+        let (mut bodies, mut created, mut deleted) = (Vec::new(), None, false);
+        while !applies.is_empty() || created.is_none() || (created.is_some_and(|e: u32| e > 0) && !deleted) {
+            let (m, u, body, content_type, send) = self.next().await;
+            if m == Method::POST {
+                assert_eq!(u, format!("{secrets}?&fieldManager=rlplane-operator"));
+                let epoch: u32 = body["metadata"]["labels"][labels::EPOCH].as_str().unwrap().parse().unwrap();
+                // The uid is 6f1c-uid: its first 8 letters and digits.
+                assert_eq!(body["metadata"]["name"], format!("{job}-key-6f1cuid-e{epoch}"));
+                assert_eq!(body["immutable"], true);
+                send.send_response(respond(201, &body));
+                created = Some(epoch);
+                bodies.push(body);
+            } else if m == Method::DELETE {
+                let epoch = created.expect("the previous epoch's key is deleted once the new one exists");
+                assert_eq!(u, format!("{secrets}/{job}-key-6f1cuid-e{}?", epoch - 1));
+                assert_eq!(body["propagationPolicy"], "Background");
+                send.send_response(respond(200, &success()));
+                deleted = true;
+            } else {
+                assert_eq!(m, Method::PATCH, "{u}");
+                assert_eq!(content_type.as_deref(), Some("application/apply-patch+yaml"), "{u}: server-side apply");
+                let path =
+                    u.strip_suffix(APPLY).unwrap_or_else(|| panic!("{u}: not an apply by rlplane-operator with force"));
+                assert!(
+                    applies.remove(path),
+                    "unexpected request {path} in the first round; still expected {applies:?}"
+                );
+                match &pod_group {
+                    Some((p, code)) if p == path && *code != 200 => {
+                        let why = "the server could not find the requested resource";
+                        send.send_response(respond(*code, &status_error(*code, "NotFound", why)));
+                        bodies.push(body);
+                        continue;
+                    }
+                    _ => send.send_response(respond(200, &body)),
+                }
+                bodies.push(body);
+            }
         }
-        bodies.push(secret);
-        bodies.extend(
-            self.applies(&[format!("/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{job}-ingress")]).await,
-        );
+        if pod_group.as_ref().is_none_or(|(_, code)| *code == 200) {
+            bodies.extend(
+                self.applies(&[format!(
+                    "/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings/{job}-worker"
+                )])
+                .await,
+            );
+        }
+        let order = ["ServiceAccount", "Role", "RoleBinding", "Service", "ConfigMap", "Secret", "NetworkPolicy"];
+        bodies.sort_by_key(|b| order.iter().position(|k| b["kind"] == *k).unwrap_or(order.len()));
         bodies
     }
 
@@ -675,14 +717,10 @@ async fn a_gang_scheduler_the_cluster_lacks_is_named_in_the_error() {
     let task = spawn(&j, &ctx);
     api.get_job(&j).await;
     api.list_pods(&j, &[]).await;
-    api.apply_objects("llama3-8b-split").await;
-    let uri = format!("/apis/scheduling.volcano.sh/v1beta1/namespaces/{NS}/podgroups/llama3-8b-split-gang{APPLY}");
-    let (body, send) = api.expect(Method::PATCH, &uri).await;
-    assert_eq!(body["spec"]["minMember"], 3);
-    send.send_response(respond(
-        404,
-        &status_error(404, "NotFound", "the server could not find the requested resource"),
-    ));
+    let group = format!("/apis/scheduling.volcano.sh/v1beta1/namespaces/{NS}/podgroups/llama3-8b-split-gang");
+    let bodies = api.apply_objects_with("llama3-8b-split", Some((group, 404))).await;
+    let pod_group = bodies.iter().find(|b| b["kind"] == "PodGroup").expect("the PodGroup applied");
+    assert_eq!(pod_group["spec"]["minMember"], 3);
     let st = api.write_status(&j).await;
     let (_, reason, message) = condition(&st, conditions::PODS_CREATED);
     assert_eq!(reason, "CreateFailed");
