@@ -719,7 +719,8 @@ pub struct SchedulingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub priority_class_name: Option<String>,
-    /// Kueue LocalQueue; the job is created suspended until Kueue admits it.
+    /// Kueue LocalQueue: the job's pods form one Kueue pod group, held behind Kueue's scheduling
+    /// gate until it admits the whole gang (docs/operator.md, "Kueue").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 63))]
     pub queue_name: Option<String>,
