@@ -133,20 +133,7 @@ impl Env {
         timeout: Duration,
         done: impl Fn(&RLJob) -> bool,
     ) -> anyhow::Result<RLJob> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let job = self.jobs().get_opt(name).await?;
-            if let Some(job) = &job
-                && done(job)
-            {
-                return Ok(job.clone());
-            }
-            if Instant::now() > deadline {
-                let status = job.and_then(|j| j.status).map(|s| serde_json::to_string_pretty(&s).unwrap_or_default());
-                bail!("RLJob {name}: {what} did not happen within {timeout:?}; last status: {status:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        wait_for_job(&self.jobs(), name, what, timeout, done).await
     }
 
     /// Polls until `done` holds for the job's pods (those carrying its label).
@@ -329,6 +316,31 @@ async fn finish_pod_deletions(pods: Api<Pod>) {
                 // Gone already, or replaced by a newer pod of the same name: either is fine.
                 let _ = pods.delete(&p.name_any(), &dp).await;
             }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Polls RLJob `name` until `done` holds (every 200 ms, at most `timeout`); fails naming `what`
+/// and the last status seen.
+pub async fn wait_for_job(
+    jobs: &Api<RLJob>,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    done: impl Fn(&RLJob) -> bool,
+) -> anyhow::Result<RLJob> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let job = jobs.get_opt(name).await?;
+        if let Some(job) = &job
+            && done(job)
+        {
+            return Ok(job.clone());
+        }
+        if Instant::now() > deadline {
+            let status = job.and_then(|j| j.status).map(|s| serde_json::to_string_pretty(&s).unwrap_or_default());
+            bail!("RLJob {name}: {what} did not happen within {timeout:?}; last status: {status:?}");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -9,20 +9,20 @@
 //! restart. Without KUBECONFIG, or without a real node, the test says that it skipped (CI makes
 //! that an error).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use kube::api::{Api, DeleteParams};
 use rlplane_api::plan::ports;
 use rlplane_api::{Phase, RLJob};
 use rlplane_e2e::real_node::Setup;
-use rlplane_e2e::{epoch_of, kubectl_stdin, phase_of, workspace};
+use rlplane_e2e::{epoch_of, kubectl_stdin, phase_of, wait_for_job, workspace};
 use rlplane_operator::cluster::{OperatorProcess, operator_binary};
 use rlplane_operator::desired::WORKER_CONTAINER;
 
 const STEPS: u64 = 60;
 
-/// Polls the job every 300 ms until `done` holds, at most `within`; fails naming `what`.
+/// Waits for `done` (at most `within`); a Failed job ends the wait at once.
 async fn wait(
     jobs: &Api<RLJob>,
     name: &str,
@@ -30,17 +30,10 @@ async fn wait(
     within: Duration,
     done: impl Fn(&RLJob) -> bool,
 ) -> anyhow::Result<RLJob> {
-    let deadline = Instant::now() + within;
-    loop {
-        let j = jobs.get(name).await?;
-        if done(&j) {
-            return Ok(j);
-        }
-        if phase_of(&j) == Some(Phase::Failed) || Instant::now() > deadline {
-            bail!("RLJob {name}: {what} did not happen within {within:?}: {:?}", j.status);
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let failed = |j: &RLJob| phase_of(j) == Some(Phase::Failed);
+    let j = wait_for_job(jobs, name, what, within, |j| done(j) || failed(j)).await?;
+    anyhow::ensure!(!failed(&j) || done(&j), "RLJob {name} failed before {what}: {:?}", j.status);
+    Ok(j)
 }
 
 #[tokio::test(flavor = "multi_thread")]
