@@ -20,7 +20,8 @@ use rlplane_e2e::{epoch_of, kubectl_stdin, phase_of, wait_for_job, workspace};
 use rlplane_operator::cluster::{OperatorProcess, operator_binary};
 use rlplane_operator::desired::WORKER_CONTAINER;
 
-const STEPS: u64 = 60;
+/// Enough that the refit is cut off long before the job could end on its own.
+const STEPS: u64 = 400;
 
 /// Waits for `done` (at most `within`); a Failed job ends the wait at once.
 async fn wait(

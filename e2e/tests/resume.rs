@@ -13,7 +13,8 @@ use rlplane_e2e::jobs::{Cluster, Runner};
 use rlplane_e2e::{epoch_of, kubectl, phase_of};
 use rlplane_operator::desired::WORKER_CONTAINER;
 
-const STEPS: u64 = 80;
+/// Enough that the kill lands long before the job could end on its own.
+const STEPS: u64 = 400;
 const EVERY: u64 = 10;
 
 fn checkpoint(j: &RLJob) -> Option<CheckpointRef> {
