@@ -142,7 +142,24 @@ impl RLJobSpec {
             PodRole::Storage => Vec::new(),
         }
     }
+
+    /// Environment rlplane adds to the containers of user template `t` for the client, beyond
+    /// the pod's socket directory and name: in the generation template's, the engines'
+    /// tensor-parallel size, with which a process finds an engine's rank sockets
+    /// (`engine-<engine · tensorParallel + rank>.sock`).
+    pub fn template_env(&self, t: &UserTemplate) -> Vec<(&'static str, String)> {
+        match &self.generation.template {
+            Some(g) if std::ptr::eq(g, t) => {
+                vec![(ENGINE_TENSOR_PARALLEL_ENV, self.generation.tensor_parallel.to_string())]
+            }
+            _ => Vec::new(),
+        }
+    }
 }
+
+/// The environment variable holding `spec.generation.tensorParallel` in the generation
+/// template's containers ([`RLJobSpec::template_env`]).
+pub const ENGINE_TENSOR_PARALLEL_ENV: &str = "RLPLANE_ENGINE_TENSOR_PARALLEL";
 
 /// Placement of generation relative to the trainer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]

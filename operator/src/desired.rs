@@ -682,6 +682,11 @@ fn pod(
                 // may run as another user than the worker: the client's shared-memory files are
                 // created readable and writable by both (docs/local-api.md).
                 e.push(EnvVar { name: "RLPLANE_SHM_MODE".into(), value: Some("0666".into()), ..Default::default() });
+                e.extend(spec.template_env(t).into_iter().map(|(name, value)| EnvVar {
+                    name: name.into(),
+                    value: Some(value),
+                    ..Default::default()
+                }));
                 containers.push(c);
             }
             init.extend(ts.init_containers.unwrap_or_default());

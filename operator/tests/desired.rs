@@ -132,6 +132,17 @@ fn user_templates_run_beside_the_worker_as_a_native_sidecar() {
         let m: Vec<_> = c.volume_mounts.as_ref().unwrap().iter().map(|v| v.mount_path.as_str()).collect();
         assert!(m.contains(&"/var/run/rlplane") && m.contains(&"/dev/shm"), "{}: {m:?}", c.name);
     }
+    // Only the engine's containers learn the engines' tensor-parallel size (their rank sockets).
+    let tp = |c: &k8s_openapi::api::core::v1::Container| {
+        c.env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|e| e.name == "RLPLANE_ENGINE_TENSOR_PARALLEL")
+            .and_then(|e| e.value.clone())
+    };
+    assert_eq!(tp(&spec.containers[0]), None);
+    assert_eq!(tp(&spec.containers[1]), Some(j.spec.generation.tensor_parallel.to_string()));
     assert_eq!(gpus(&spec.containers[0]).as_deref(), Some("8"), "GPUs go to the first user container");
     assert_eq!(gpus(w), None);
     assert_eq!(pod.metadata.annotations.as_ref().unwrap()["team"], "rl");

@@ -27,6 +27,7 @@ __all__ = [
     "read_message",
     "write_message",
     "Connection",
+    "engine_socket_index",
     "socket_path",
     "connect",
 ]
@@ -219,11 +220,45 @@ def _check_reply(reply: dict[str, Any], op: str, conn: Connection | None = None)
     raise ProtocolError(f"the sidecar's reply has no boolean `ok`: {json.dumps(reply)[:500]}", op=op)
 
 
+def engine_socket_index(engine: int, tp_rank: int = 0, tensor_parallel: int | None = None) -> int:
+    """The local index of an engine's rank among its pod's generation ranks: ``engine · TP +
+    tp_rank``, since a pod holds whole engines, each with ``spec.generation.tensorParallel``
+    ranks in tensor-parallel order.
+
+    ``engine`` is the engine's index among the pod's engines (from 0); ``tensor_parallel``
+    defaults to ``$RLPLANE_ENGINE_TENSOR_PARALLEL``, which rlplane sets in the engine's containers.
+
+    Raises:
+        ConfigError: an index is negative, ``tp_rank`` is not below the tensor-parallel size, or
+            the size is needed (``engine`` > 0) and unknown.
+    """
+    if engine < 0 or tp_rank < 0:
+        raise ConfigError(f"engine ({engine}) and tp_rank ({tp_rank}) must be 0 or more")
+    if tensor_parallel is None:
+        env = os.environ.get("RLPLANE_ENGINE_TENSOR_PARALLEL", "")
+        if env:
+            try:
+                tensor_parallel = int(env)
+            except ValueError:
+                raise ConfigError(f"RLPLANE_ENGINE_TENSOR_PARALLEL={env!r} is not a number (the engines' tensorParallel)") from None
+    if tensor_parallel is None:
+        if engine > 0:
+            raise ConfigError(
+                f"engine {engine}'s socket depends on the engines' tensor-parallel size, which is unknown here: "
+                "set RLPLANE_ENGINE_TENSOR_PARALLEL (rlplane sets it in the engine's containers) or pass tensor_parallel=…"
+            )
+        return tp_rank
+    if tensor_parallel < 1 or tp_rank >= tensor_parallel:
+        raise ConfigError(f"tp_rank {tp_rank} is not a rank of a {tensor_parallel}-way tensor-parallel engine")
+    return engine * tensor_parallel + tp_rank
+
+
 def socket_path(role: str, socket: str | os.PathLike[str] | None = None, index: int | None = None) -> str:
     """Finds this rank's socket.
 
     In order: ``socket`` if given; ``$RLPLANE_SOCKET`` if set; else
     ``$RLPLANE_IPC_DIR/<role>-<index>.sock`` where ``index`` defaults to ``$LOCAL_RANK`` (or 0).
+    An engine's rank by engine and tensor-parallel rank is :func:`engine_socket_index`.
 
     Raises:
         ConfigError: neither variable is set, or ``LOCAL_RANK`` is not a number.

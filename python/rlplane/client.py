@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -14,7 +15,7 @@ from . import _wire
 from ._version import __version__
 from .columns import Batch, ColumnInput, decode_batch, encode_columns
 from .dtypes import numpy_dtype, wire_dtype
-from .errors import FailedError, InvalidError, ProtocolError, RlplaneError, ShutdownError
+from .errors import ConfigError, FailedError, InvalidError, ProtocolError, RlplaneError, ShutdownError
 from .info import Info, PublishResult, PutResult, RegisterResult, Step, VersionInfo
 from .shm import Arena, Mappings, shm_dir
 
@@ -63,12 +64,13 @@ class Client:
         path = _wire.socket_path(self.role, socket, index)
         self._attach(_wire.connect(path, timeout))
 
-    def _attach(self, conn: _wire.Connection) -> None:
-        """Says hello on a connected socket and sets the client up."""
+    def _attach(self, conn: _wire.Connection, session: str | None = None) -> None:
+        """Says hello on a connected socket (in ``session``, if given) and sets the client up."""
         self._conn = conn
         try:
+            extra = {} if session is None else {"session": session}
             reply = self._conn.call(
-                "hello", protocol=_wire.PROTOCOL, role=self.role, client=f"rlplane-python/{__version__}"
+                "hello", protocol=_wire.PROTOCOL, role=self.role, client=f"rlplane-python/{__version__}", **extra
             )
             if reply.get("protocol") != _wire.PROTOCOL:
                 raise ProtocolError(
@@ -401,8 +403,66 @@ class Engine(Client):
 
     role: ClassVar[str] = "engine"
 
-    def _attach(self, conn: _wire.Connection) -> None:
-        super()._attach(conn)
+    #: ``session`` values: every call (default), or one half of the rank.
+    SESSIONS: ClassVar[tuple[str, ...]] = ("all", "rollouts", "weights")
+
+    def __init__(
+        self,
+        socket: str | None = None,
+        *,
+        timeout: float = 120.0,
+        index: int | None = None,
+        session: str | None = None,
+        engine: int | None = None,
+        tp_rank: int = 0,
+        tensor_parallel: int | None = None,
+    ) -> None:
+        """Connects to an engine rank's socket.
+
+        Besides the arguments of :class:`Client`:
+
+        Args:
+            session: ``"all"`` (default): this process does everything the rank does.
+                ``"rollouts"``: only steps and puts (``next_step``, ``put``, ``end_step``), on the
+                engine's tensor-parallel rank 0 — an engine's driver process. ``"weights"``: only
+                registration and staged loads — a tensor-parallel worker. A rank takes one
+                rollouts and one weights session at once, so a vLLM driver and its workers share
+                it (``rlplane.vllm``).
+            engine: pick the socket by engine instead of ``index``: the pod's ``engine``-th engine
+                (from 0; default ``$RLPLANE_ENGINE`` when neither ``index`` nor a socket is
+                given), its rank ``tp_rank``; see :func:`rlplane._wire.engine_socket_index`.
+                The sidecar's answer is checked to be that tensor-parallel rank.
+            tensor_parallel: the engines' tensor-parallel size (default
+                ``$RLPLANE_ENGINE_TENSOR_PARALLEL``).
+
+        Raises:
+            ConfigError: ``session`` is unknown, or the socket is not the rank asked for.
+        """
+        if session is not None and session not in self.SESSIONS:
+            raise ConfigError(f"session={session!r}; use one of {', '.join(self.SESSIONS)}")
+        env_engine = os.environ.get("RLPLANE_ENGINE", "")
+        if engine is None and index is None and socket is None and not os.environ.get("RLPLANE_SOCKET") and env_engine:
+            try:
+                engine = int(env_engine)
+            except ValueError:
+                raise ConfigError(f"RLPLANE_ENGINE={env_engine!r} is not a number (the engine's index in its pod)") from None
+        if engine is not None and index is None and socket is None:
+            index = _wire.engine_socket_index(engine, tp_rank, tensor_parallel)
+        else:
+            engine = None
+        path = _wire.socket_path(self.role, socket, index)
+        self._attach(_wire.connect(path, timeout), session)
+        held = self._info.rank.engine_rank
+        if engine is not None and held is not None and held != tp_rank:
+            got = self._info.rank.name
+            self._shutdown()
+            raise ConfigError(
+                f"{path} is {got}, tensor-parallel rank {held} of its engine, not rank {tp_rank} of the pod's engine {engine}: "
+                "is RLPLANE_ENGINE_TENSOR_PARALLEL (or tensor_parallel=) the job's spec.generation.tensorParallel?"
+            )
+
+    def _attach(self, conn: _wire.Connection, session: str | None = None) -> None:
+        super()._attach(conn, session)
         self._open_step: int | None = None
         self._staging: list[dict[str, Any]] = []
         self._staging_views: dict[str, Any] = {}

@@ -1,24 +1,40 @@
-"""A vLLM worker extension that loads refits from the rlplane sidecar.
+"""rlplane for vLLM: a worker extension that loads refits in every tensor-parallel worker, and
+the driver's session that takes the engine's steps and puts its rollouts.
 
-vLLM mixes a ``worker_extension_cls`` into every worker, and ``collective_rpc`` runs one of its
-methods in each worker, where ``self.model_runner.model`` is the model and ``self.device`` its
-device::
+vLLM runs one *driver* process (where ``LLM`` lives and the user's generation loop runs) and, with
+tensor parallelism, one *worker* process per GPU. An rlplane engine of ``tensorParallel: N`` has N
+ranks, each with a socket; both kinds of process use them, each in its own session:
+
+- every worker opens a ``weights`` session on its own rank (``rlplane_connect``) and loads each
+  version the driver asks for (``rlplane_update_weights``);
+- the driver opens a ``rollouts`` session on the engine's rank 0 (:func:`connect_driver`) and
+  takes steps and puts rollouts there.
+
+::
 
     from vllm import LLM
+    import rlplane.vllm
 
-    llm = LLM(model=..., worker_extension_cls="rlplane.vllm.RlplaneWorkerExtension")
-    llm.collective_rpc("rlplane_connect")                 # each worker: engine-<tp rank>.sock
-    engine = rlplane.Engine(index=...)                    # or drive steps from the producer rank
-    ...
-    llm.collective_rpc("rlplane_update_weights", args=(step.version, 60.0))
-    outputs = llm.generate(prompts, sampling)
+    llm = LLM(model=..., tensor_parallel_size=2, worker_extension_cls="rlplane.vllm.RlplaneWorkerExtension")
+    llm.collective_rpc("rlplane_connect")                 # each worker: its rank's weights session
+    with rlplane.vllm.connect_driver() as engine:         # the driver: engine rank 0's rollouts session
+        for step in engine.steps():
+            llm.collective_rpc("rlplane_update_weights", args=(step.version or 0, 60.0))
+            outputs = llm.generate(prompts, sampling)
+            engine.put(step, {...})
+
+A pod may run several engines (``spec.generation.gpusPerNode`` a multiple of
+``tensorParallel``), one vLLM instance each: set ``RLPLANE_ENGINE=<k>`` (the engine's index in
+the pod, from 0) in the environment of instance *k*, or pass ``engine=k`` to both calls. The
+engine's rank *r* is socket ``engine-<k·N + r>.sock``; rlplane sets ``RLPLANE_ENGINE_TENSOR_PARALLEL``
+(N) in the engine's containers, and each connection checks it reached the rank it meant.
 
 The engine ranks register in **staged** mode: the sidecar receives each refit into its own
 buffers (CUDA IPC or shared memory), and ``rlplane_update_weights`` loads them through the
 model's ``load_weights``, which fuses q/k/v and gate/up projections and shards for this worker's
 tensor-parallel rank — so the sidecar ships the model's plain (Hugging Face) tensors.
 
-Nothing here imports vLLM at module level; the tensor-parallel rank is read from
+Nothing here imports vLLM at module level; the tensor-parallel rank and size are read from
 ``vllm.distributed`` when ``rlplane_connect`` is not given an index.
 """
 
@@ -30,7 +46,7 @@ from typing import Any
 from .client import Engine
 from .errors import ConfigError
 
-__all__ = ["RlplaneWorkerExtension"]
+__all__ = ["RlplaneWorkerExtension", "connect_driver"]
 
 
 class RlplaneWorkerExtension:
@@ -61,41 +77,56 @@ class RlplaneWorkerExtension:
             ) from None
         return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
 
-    def rlplane_connect(self, socket: str | None = None, index: int | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Connects this worker to its engine rank's sidecar socket and registers in staged mode.
+    def rlplane_connect(
+        self,
+        socket: str | None = None,
+        index: int | None = None,
+        timeout_s: float = 120.0,
+        engine: int | None = None,
+    ) -> dict[str, Any]:
+        """Connects this worker to its rank's sidecar socket in a ``weights`` session and
+        registers in staged mode.
 
-        The socket is ``socket`` if given, else ``$RLPLANE_SOCKET`` (one worker only), else
-        ``$RLPLANE_IPC_DIR/engine-<index>.sock`` with ``index`` defaulting to this worker's
-        tensor-parallel rank. Returns a summary: the rank's name, the socket, the number of staged
-        tensors and the version the engine holds (None before the first refit).
+        The socket is ``socket`` if given, else ``$RLPLANE_SOCKET`` (a one-worker engine), else
+        ``$RLPLANE_IPC_DIR/engine-<index>.sock``; ``index`` defaults to this worker's rank in the
+        pod's engine ``engine`` (default ``$RLPLANE_ENGINE``, else 0): ``engine · TP + tp rank``.
+        Returns a summary: the rank's name, the socket, the number of staged tensors and the
+        version the engine holds (None before the first refit).
         """
         if getattr(self, "_rlplane_engine", None) is not None:
             raise ConfigError("rlplane_connect: this worker is already connected; call rlplane_close first")
+        kwargs: dict[str, Any] = {}
         if index is None and socket is None:
             if os.environ.get("RLPLANE_SOCKET"):
                 _, world = self._rlplane_tp() if _vllm_importable() else (0, 1)
                 if world > 1:
                     raise ConfigError(
                         f"RLPLANE_SOCKET names one socket but this engine has {world} tensor-parallel workers, each "
-                        "needing its own: unset RLPLANE_SOCKET and set RLPLANE_IPC_DIR (engine-<tp rank>.sock), or "
+                        "needing its own: unset RLPLANE_SOCKET and set RLPLANE_IPC_DIR (engine-<index>.sock), or "
                         "pass socket=… per worker"
                     )
             else:
-                index, _ = self._rlplane_tp()
-        engine = Engine(socket, timeout=timeout_s, index=index)
+                rank, world = self._rlplane_tp()
+                kwargs = {"engine": _engine_index(engine), "tp_rank": rank, "tensor_parallel": world}
+        engine_client = Engine(socket, timeout=timeout_s, index=index, session="weights", **kwargs)
         try:
             from .torch import staged_tensors
 
             device = self._rlplane_worker_device()
             ordinal = device.index if device is not None and getattr(device, "type", None) == "cuda" else None
-            views = staged_tensors(engine, device=ordinal)
-            held = engine.version().version
+            views = staged_tensors(engine_client, device=ordinal)
+            held = engine_client.version().version
         except BaseException:
-            engine.close()
+            engine_client.close()
             raise
-        self._rlplane_engine = engine
+        self._rlplane_engine = engine_client
         self._rlplane_views = views
-        return {"rank": engine.info.rank.name, "socket": engine.socket_path, "tensors": len(views), "version": held}
+        return {
+            "rank": engine_client.info.rank.name,
+            "socket": engine_client.socket_path,
+            "tensors": len(views),
+            "version": held,
+        }
 
     def _rlplane_require(self) -> Engine:
         engine: Engine | None = getattr(self, "_rlplane_engine", None)
@@ -137,6 +168,32 @@ class RlplaneWorkerExtension:
         self._rlplane_views = {}
         if engine is not None:
             engine.close()
+
+
+def connect_driver(
+    engine: int | None = None,
+    tensor_parallel: int | None = None,
+    socket: str | None = None,
+    timeout: float = 120.0,
+) -> Engine:
+    """The driver's client: a ``rollouts`` session on rank 0 of the pod's engine ``engine``
+    (default ``$RLPLANE_ENGINE``, else 0), for ``steps()``, ``put`` and ``end_step``; the
+    workers hold the weights sessions. ``tensor_parallel`` defaults to
+    ``$RLPLANE_ENGINE_TENSOR_PARALLEL``; ``socket`` names the socket instead.
+    """
+    if socket is not None:
+        return Engine(socket, timeout=timeout, session="rollouts")
+    return Engine(timeout=timeout, session="rollouts", engine=_engine_index(engine), tensor_parallel=tensor_parallel)
+
+
+def _engine_index(engine: int | None) -> int:
+    if engine is not None:
+        return int(engine)
+    env = os.environ.get("RLPLANE_ENGINE", "") or "0"
+    try:
+        return int(env)
+    except ValueError:
+        raise ConfigError(f"RLPLANE_ENGINE={env!r} is not a number (the engine's index in its pod)") from None
 
 
 def _vllm_importable() -> bool:

@@ -17,7 +17,7 @@ from rlplane import _wire
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("RLPLANE_SOCKET", "RLPLANE_IPC_DIR", "LOCAL_RANK"):
+    for var in ("RLPLANE_SOCKET", "RLPLANE_IPC_DIR", "LOCAL_RANK", "RLPLANE_ENGINE", "RLPLANE_ENGINE_TENSOR_PARALLEL"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -48,6 +48,63 @@ def test_bad_local_rank_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "zero")
     with pytest.raises(rlplane.ConfigError, match="LOCAL_RANK='zero'"):
         _wire.socket_path("engine")
+
+
+def test_an_engines_rank_socket_is_engine_times_tp_plus_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RLPLANE_ENGINE_TENSOR_PARALLEL", raising=False)
+    assert _wire.engine_socket_index(0, 1) == 1  # the pod's first engine needs no size
+    with pytest.raises(rlplane.ConfigError, match="RLPLANE_ENGINE_TENSOR_PARALLEL"):
+        _wire.engine_socket_index(1, 0)
+    assert _wire.engine_socket_index(1, 1, tensor_parallel=2) == 3
+    monkeypatch.setenv("RLPLANE_ENGINE_TENSOR_PARALLEL", "4")
+    assert _wire.engine_socket_index(2, 3) == 11
+    with pytest.raises(rlplane.ConfigError, match="tp_rank 4 is not a rank of a 4-way"):
+        _wire.engine_socket_index(0, 4)
+    monkeypatch.setenv("RLPLANE_ENGINE_TENSOR_PARALLEL", "two")
+    with pytest.raises(rlplane.ConfigError, match="'two' is not a number"):
+        _wire.engine_socket_index(1, 0)
+
+
+def test_an_engine_by_engine_index_connects_to_its_rank_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPLANE_IPC_DIR", str(tmp_path))
+    monkeypatch.setenv("RLPLANE_ENGINE_TENSOR_PARALLEL", "2")
+    monkeypatch.setenv("RLPLANE_ENGINE", "1")
+    with pytest.raises(rlplane.TimeoutError, match="engine-2.sock"):
+        rlplane.Engine(timeout=0.2)
+    with pytest.raises(rlplane.TimeoutError, match="engine-3.sock"):
+        rlplane.Engine(timeout=0.2, tp_rank=1)
+    with pytest.raises(rlplane.ConfigError, match="session='driver'"):
+        rlplane.Engine(timeout=0.2, session="driver")
+
+
+def test_an_engine_socket_of_another_tensor_parallel_rank_is_refused(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # With a wrong tensor-parallel size, engine 1's rank 0 computes engine-1.sock: engine 0's rank 1.
+    import copy
+
+    from .conftest import HELLO
+
+    hello = copy.deepcopy(HELLO)
+    hello["rank"].update(name="gen-1", role="engine", engine=0, engine_rank=1)
+    path = str(tmp_path / "engine-1.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+
+    def answer() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            _wire.read_message(conn)
+            _wire.write_message(conn, hello)
+            conn.recv(1)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    monkeypatch.setenv("RLPLANE_IPC_DIR", str(tmp_path))
+    with pytest.raises(rlplane.ConfigError, match="gen-1, tensor-parallel rank 1 of its engine, not rank 0 of the pod's engine 1"):
+        rlplane.Engine(timeout=2, engine=1, tensor_parallel=1)
+    t.join(5)
+    srv.close()
 
 
 def test_connect_times_out_naming_the_path(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ def rlplane_bin() -> str:
 def manifest(tmp: Path, trainer_cmd: list[str], engine_cmd: list[str], *, steps: int = 3, data: int = 2,
              engines: int = 2, name: str = "py-client", gpu: bool = False, tensor: int = 1,
              tensors: list[dict[str, Any]] | None = None, timeout_s: int = 30, source: str = "Sharded",
-             checkpoint_every: int = 0) -> Path:
+             checkpoint_every: int = 0, gen_tp: int = 1, gen_gpus_per_node: int | None = None) -> Path:
     """An RLJob running the given user commands: `tensor`-way tensor-parallel trainer ranks per
     data-parallel shard, the tiny preset or the explicit `tensors` (spec.model.tensors entries),
     `timeout_s` the bound on each step's commands (spec.refit.timeoutSeconds)."""
@@ -67,8 +67,8 @@ spec:
     template:
 {container("train", trainer_cmd)}  generation:
     engines: {engines}
-    tensorParallel: 1
-    template:
+    tensorParallel: {gen_tp}
+{f"    gpusPerNode: {gen_gpus_per_node}{chr(10)}" if gen_gpus_per_node else ""}    template:
 {container("generate", engine_cmd)}  refit:
     transport: {"Auto" if gpu else "Tcp"}
     bufferBytes: 262144
@@ -170,6 +170,40 @@ def test_torch_trainer_and_staged_engines(rlplane_bin: str, tmp_path: Path) -> N
         m = engine["modes"]
         assert m["socket"] == 0o600 and m["socket_dir"] == 0o700, m
         assert m["shm_files"] and all(mode & 0o077 == 0 for mode in m["shm_files"].values()), m
+
+
+def test_vllm_style_engines_a_driver_and_tensor_parallel_workers_share_each_engines_ranks(rlplane_bin: str,
+                                                                                         tmp_path: Path) -> None:
+    # Two engines of tensorParallel 2 in one pod, each run as vLLM runs it: a driver process that
+    # takes steps and puts rollouts (a "rollouts" session on the engine's rank 0) and one worker
+    # process per rank that loads the weights (a "weights" session on its own rank).
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, trainer_cmd(2, "--report", str(out), "--torch"),
+                 [sys.executable, str(SCRIPTS / "launch.py"), "2", str(SCRIPTS / "vllm_standin.py"), "--report", str(out)],
+                 steps=4, gen_tp=2, gen_gpus_per_node=4)
+    p = run_local(rlplane_bin, m, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    engines = reports(out, "engine")
+    assert sorted(e["rank"] for e in engines) == ["gen-0", "gen-2"], engines
+    for e in engines:
+        k = e["engine_index"]
+        assert e.get("done") and e["session"] == "rollouts", e
+        # Each worker reached its own rank of its own engine: engine-<k·TP + r>.sock.
+        assert [w["rank"] for w in e["workers"]] == [f"gen-{2 * k}", f"gen-{2 * k + 1}"], e["workers"]
+        assert [w["socket"].rsplit("/", 1)[1] for w in e["workers"]] == [f"engine-{2 * k}.sock", f"engine-{2 * k + 1}.sock"]
+        # What a rank cannot take while the driver and its worker hold it.
+        assert e["probes"] == {"second_weights_session": "BusyError", "second_rollouts_session": "BusyError",
+                               "all_beside_the_sessions": "BusyError", "rollouts_on_rank_1": "StateError"}, e["probes"]
+        assert [s["step"] for s in e["steps"]] == [1, 2, 3, 4]
+        for s in e["steps"]:
+            assert s["version"] == s["step"] - 1, s
+            for w in s["workers"]:
+                assert w["held"] == s["version"] and w["bad"] == [] and w["tensors"] > 0, (s["step"], w)
+    trainers = reports(out, "trainer")
+    for step in range(1, 5):
+        got = [b for t in trainers for b in t["batches"] if b["step"] == step]
+        assert sum(b["samples"] for b in got) == 3 * 2, got  # both engines' rollouts, once each
 
 
 def test_a_trainer_failure_fails_the_run_with_its_message(rlplane_bin: str, tmp_path: Path) -> None:

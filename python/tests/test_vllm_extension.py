@@ -50,12 +50,12 @@ def staged(shm_dir: Path, monkeypatch: pytest.MonkeyPatch):
     hello["rank"].update(name="gen-0-0", role="engine")
     made: list[Any] = []
 
-    def fake_engine(socket: Any = None, *, timeout: float = 120.0, index: Any = None) -> rlplane.Engine:
+    def fake_engine(socket: Any = None, *, timeout: float = 120.0, index: Any = None, **kw: Any) -> rlplane.Engine:
         e, rec = offline(rlplane.Engine, hello,
                          register_weights={"ok": True, "tensors": 0, "bytes": 0, "staging": staging},
                          version={"ok": True, "version": None, "state": "empty"},
                          acquire_staged={"ok": True, "version": 3}, release_staged={"ok": True})
-        made.append((rec, socket, index))
+        made.append((rec, socket, index, kw))
         return e
 
     monkeypatch.setattr(rv, "Engine", fake_engine)
@@ -69,8 +69,8 @@ def test_connect_update_and_version(staged: list) -> None:
         w.rlplane_update_weights(1)
     info = w.rlplane_connect(index=1)
     assert info == {"rank": "gen-0-0", "socket": "/recorded/x.sock", "tensors": 1, "version": None}
-    rec, _, index = staged[0]
-    assert index == 1 and rec.requests[-2]["mode"] == "staged"
+    rec, _, index, kw = staged[0]
+    assert index == 1 and kw == {"session": "weights"} and rec.requests[-2]["mode"] == "staged"
     assert w.rlplane_update_weights(2, 5.0) == 3
     assert rec.ops()[-2:] == ["acquire_staged", "release_staged"]
     assert rec.requests[-2] == {"op": "acquire_staged", "version": 2, "timeout_s": 5}
@@ -95,3 +95,25 @@ def test_extension_attributes_cannot_collide_with_a_worker() -> None:
     # vLLM refuses an extension whose attributes the worker already has.
     names = [a for a in dir(rv.RlplaneWorkerExtension) if not a.startswith("__")]
     assert names and all(a.startswith(("rlplane_", "_rlplane_")) for a in names)
+
+
+def test_without_an_index_a_worker_takes_its_rank_of_its_engine(staged: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Inside vLLM the worker's tensor-parallel rank and size come from vllm.distributed.
+    monkeypatch.delenv("RLPLANE_SOCKET", raising=False)
+    monkeypatch.setenv("RLPLANE_ENGINE", "1")
+    monkeypatch.setattr(StandInWorker, "_rlplane_tp", lambda self: (1, 2))
+    StandInWorker(StandInModel()).rlplane_connect()
+    assert staged[-1][3] == {"session": "weights", "engine": 1, "tp_rank": 1, "tensor_parallel": 2}
+    StandInWorker(StandInModel()).rlplane_connect(engine=0)
+    assert staged[-1][3]["engine"] == 0
+
+
+def test_the_driver_takes_the_rollouts_session_of_its_engines_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict] = []
+    monkeypatch.setattr(rv, "Engine", lambda *a, **kw: made.append(kw) or "engine")
+    monkeypatch.setenv("RLPLANE_ENGINE", "3")
+    assert rv.connect_driver(tensor_parallel=2) == "engine"
+    assert made[-1] == {"timeout": 120.0, "session": "rollouts", "engine": 3, "tensor_parallel": 2}
+    monkeypatch.setenv("RLPLANE_ENGINE", "x")
+    with pytest.raises(rlplane.ConfigError, match="RLPLANE_ENGINE='x'"):
+        rv.connect_driver()

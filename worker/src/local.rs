@@ -613,6 +613,7 @@ fn user_commands(
                     cmd.current_dir(dir);
                 }
                 cmd.env(crate::pod::IPC_DIR_ENV, &pod.ipc_dir).env("RLPLANE_POD", &pod.name);
+                cmd.envs(spec.template_env(template));
                 if let Some(bases) = gpu_bases
                     && pod.gpus > 0
                 {

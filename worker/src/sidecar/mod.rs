@@ -49,6 +49,56 @@ impl Role {
     }
 }
 
+/// What one connection does on its rank, chosen in `hello` (`session`): everything, or one of
+/// the two halves of an engine rank, so that an engine whose rollouts come from one process (vLLM's
+/// driver) and whose weights live in others (its tensor-parallel workers) can use its ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Every call of the rank's role (the default).
+    All,
+    /// An engine's steps and rollouts: `next_step`, `put`, `end_step` (and `version`).
+    Rollouts,
+    /// An engine's weights: `register_weights`, `acquire_staged`, `release_staged` (and
+    /// `version`, `wait_version`).
+    Weights,
+}
+
+impl Scope {
+    /// The scope `hello` names (`None`: the default, `all`).
+    pub fn parse(name: Option<&str>) -> Option<Scope> {
+        match name {
+            None | Some("all") => Some(Scope::All),
+            Some("rollouts") => Some(Scope::Rollouts),
+            Some("weights") => Some(Scope::Weights),
+            Some(_) => None,
+        }
+    }
+
+    /// The name in `hello`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::All => "all",
+            Scope::Rollouts => "rollouts",
+            Scope::Weights => "weights",
+        }
+    }
+
+    /// Whether two connections of these scopes would drive the same calls.
+    fn overlaps(self, other: Scope) -> bool {
+        self == Scope::All || other == Scope::All || self == other
+    }
+
+    /// Whether this scope registers and loads the rank's weights.
+    fn owns_weights(self) -> bool {
+        matches!(self, Scope::All | Scope::Weights)
+    }
+
+    /// Whether this scope takes the rank's steps and puts rollouts.
+    fn owns_rollouts(self) -> bool {
+        matches!(self, Scope::All | Scope::Rollouts)
+    }
+}
+
 /// What a session needs to know about its rank (fixed for the rank's life).
 pub struct RankInfo {
     /// The plan.
@@ -186,8 +236,8 @@ pub struct PutTotals {
 
 #[derive(Default)]
 struct State {
-    /// A session is connected.
-    connected: bool,
+    /// The scopes of the sessions connected now (none overlap).
+    sessions: Vec<Scope>,
     /// Weights registered (their generation; staged or not).
     registered: Option<(u64, bool)>,
     /// The user process failed (said so, or went away): the rank's waits fail with this.
@@ -234,7 +284,8 @@ pub struct Link {
 }
 
 impl Link {
-    /// Binds the rank's socket and serves sessions, one at a time, until the rank ends.
+    /// Binds the rank's socket and serves sessions until the rank ends: one at a time, or an
+    /// engine's rollouts and weights sessions side by side ([`Scope`]).
     pub fn start(info: RankInfo) -> anyhow::Result<Link> {
         let path = socket_path(&info.plan, info.me);
         if let Some(dir) = path.parent() {
@@ -349,7 +400,7 @@ impl Link {
         match r {
             Ok(v) => v,
             Err(WaitTimedOut) => {
-                let connected = self.peek(|s| s.connected);
+                let connected = self.peek(|s| !s.sessions.is_empty());
                 anyhow::bail!(
                     "timed out waiting for the {role} process to {what}{}",
                     if connected {
@@ -438,7 +489,7 @@ impl Link {
     /// hang up, so that it reads the answer before this rank exits.
     pub async fn shutdown(&self, grace: Duration) {
         self.update(|s| s.done = true);
-        let _ = self.wait(Some(Instant::now() + grace), |s| (!s.connected).then_some(())).await;
+        let _ = self.wait(Some(Instant::now() + grace), |s| s.sessions.is_empty().then_some(())).await;
         self.remove_files();
     }
 
@@ -453,7 +504,7 @@ impl Link {
     /// user process to read it.
     pub async fn fail(&self, error: &str, grace: Duration) {
         self.update(|s| s.rank_error = Some(error.to_string()));
-        let _ = self.wait(Some(Instant::now() + grace), |s| (!s.connected).then_some(())).await;
+        let _ = self.wait(Some(Instant::now() + grace), |s| s.sessions.is_empty().then_some(())).await;
         self.remove_files();
     }
 }

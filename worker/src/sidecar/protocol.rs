@@ -148,6 +148,11 @@ pub enum Request {
         /// Free-form client name.
         #[serde(default)]
         client: Option<String>,
+        /// What this connection does on the rank: `all` (default), or on an engine rank
+        /// `rollouts` (steps and puts) or `weights` (registration and staged loads), so that an
+        /// engine's driver and its tensor-parallel workers share a rank.
+        #[serde(default)]
+        session: Option<String>,
     },
     /// Register weights.
     RegisterWeights {

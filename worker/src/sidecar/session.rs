@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use super::protocol::{self, ApiError, ColumnDesc, ErrorKind, MemoryDesc, PROTOCOL_VERSION, Request, invalid, state};
 use super::weights::UserWeights;
-use super::{Link, RankInfo, Role, State, dtype_name, parse_dtype};
+use super::{Link, RankInfo, Role, Scope, State, dtype_name, parse_dtype};
 use crate::refit::WeightsState;
 use crate::shm::SharedFile;
 use crate::tq::{Batch, Column, FieldSpec, PutOptions};
@@ -26,39 +26,35 @@ const MAX_CHECKPOINT_URI: usize = 4096;
 /// Serves one connection until it closes.
 pub async fn serve(link: Link, stream: UnixStream) {
     let (mut rd, mut wr) = stream.into_split();
-    let busy = link.update(|s| std::mem::replace(&mut s.connected, true));
-    if busy {
-        let e = ApiError::new(
-            ErrorKind::Busy,
-            format!(
-                "another process is connected to {}'s local API socket; one process per rank (check LOCAL_RANK / RLPLANE_SOCKET)",
-                link.info.plan.process(link.info.me).name
-            ),
-        );
-        let _ = protocol::write_message(&mut wr, &e.reply()).await;
-        return;
-    }
-    let mut session = Session { link: link.clone(), files: HashMap::new(), hello: false, clean: false };
+    let mut session = Session { link: link.clone(), files: HashMap::new(), scope: None, clean: false };
     let outcome = session.run(&mut rd, &mut wr).await;
+    // A connection that never said hello holds nothing.
+    let Some(scope) = session.scope else { return };
     let role = link.info.role.name();
     link.update(|s| {
-        s.connected = false;
+        if let Some(i) = s.sessions.iter().position(|&x| x == scope) {
+            s.sessions.remove(i);
+        }
         if session.clean || s.done {
             return;
         }
         // A process that registered weights and went away took its memory with it; one that
         // waited for a step is gone from the loop: either way the rank cannot go on.
-        if s.registered.is_some() || s.step.is_some_and(|(_, handed)| handed) || s.published.is_some() {
+        let stranded = (scope.owns_weights() && s.registered.is_some())
+            || (scope.owns_rollouts() && s.step.is_some_and(|(_, handed)| handed))
+            || (scope == Scope::All && s.published.is_some());
+        if stranded {
             let why = match &outcome {
                 Err(e) => format!(": {e}"),
                 Ok(()) => String::new(),
             };
+            let what = if scope == Scope::All { String::new() } else { format!(" ({} session)", scope.name()) };
             s.user_error = Some(format!(
-                "the {role} process closed its connection to the sidecar before the job ended (did it exit or crash?){why}"
+                "the {role} process{what} closed its connection to the sidecar before the job ended (did it exit or crash?){why}"
             ));
         }
     });
-    if session.clean {
+    if session.clean && scope.owns_weights() {
         // `bye`: the registration goes with the process.
         if let Ok(mut w) = link.shared.weights.try_lock() {
             *w = None;
@@ -71,7 +67,8 @@ struct Session {
     link: Link,
     /// Shared-memory files of puts, by path (the client reuses its arena).
     files: HashMap<String, Arc<SharedFile>>,
-    hello: bool,
+    /// What this connection does, once its `hello` was accepted.
+    scope: Option<Scope>,
     clean: bool,
 }
 
@@ -143,11 +140,16 @@ impl Session {
     }
 
     async fn handle(&mut self, req: Request) -> Result<Reply, ApiError> {
-        if !self.hello && !matches!(req, Request::Hello { .. }) {
-            return Err(ApiError::new(ErrorKind::Protocol, "the first request must be hello"));
+        match (self.scope, &req) {
+            (None, Request::Hello { .. }) => {}
+            (None, _) => return Err(ApiError::new(ErrorKind::Protocol, "the first request must be hello")),
+            (Some(_), Request::Hello { .. }) => {
+                return Err(ApiError::new(ErrorKind::Protocol, "hello was already said on this connection"));
+            }
+            (Some(scope), req) => check_scope(scope, req)?,
         }
         Ok(match req {
-            Request::Hello { protocol: p, role, .. } => {
+            Request::Hello { protocol: p, role, session, .. } => {
                 if p != PROTOCOL_VERSION {
                     return Err(ApiError::new(
                         ErrorKind::Protocol,
@@ -163,8 +165,11 @@ impl Session {
                         super::socket_path(&self.link.info.plan, self.link.info.me).display()
                     )));
                 }
-                self.hello = true;
-                Reply::Now(self.link.info.hello())
+                let scope = self.claim(session.as_deref())?;
+                self.scope = Some(scope);
+                let mut reply = self.link.info.hello();
+                reply["session"] = json!(scope.name());
+                Reply::Now(reply)
             }
             Request::RegisterWeights { mode, tensors, name_map } => {
                 let staged = match mode.as_deref() {
@@ -367,6 +372,42 @@ impl Session {
         })
     }
 
+    /// Takes the `session` scope `hello` asked for on this rank, if it is free.
+    fn claim(&self, session: Option<&str>) -> Result<Scope, ApiError> {
+        let scope = Scope::parse(session).ok_or_else(|| {
+            invalid(format!(
+                "session: {session:?}; use \"all\" (the default), or on an engine rank \"rollouts\" (the process that takes steps and puts rollouts) or \"weights\" (a process that registers or loads the weights)"
+            ))
+        })?;
+        let info = &self.link.info;
+        let name = &info.plan.process(info.me).name;
+        if scope != Scope::All && self.role() == Role::Trainer {
+            return Err(invalid(format!(
+                "session: \"{}\" is for engine ranks; a trainer rank's process uses one session (leave session out)",
+                scope.name()
+            )));
+        }
+        if scope == Scope::Rollouts && !info.producer() {
+            return Err(state(format!(
+                "session \"rollouts\" on {name}, which is not its engine's producer: the engine's rollouts go through its tensor-parallel rank 0's socket; connect the driver there"
+            )));
+        }
+        self.link.update(|s| {
+            if let Some(held) = s.sessions.iter().find(|h| h.overlaps(scope)) {
+                return Err(ApiError::new(
+                    ErrorKind::Busy,
+                    format!(
+                        "another process holds {name}'s {} session on its local API socket, so a {} session cannot open: one process per rank (check LOCAL_RANK / RLPLANE_SOCKET), or an engine's driver with session \"rollouts\" beside one worker with session \"weights\"",
+                        held.name(),
+                        scope.name()
+                    ),
+                ));
+            }
+            s.sessions.push(scope);
+            Ok(scope)
+        })
+    }
+
     /// Waits (session side) until `f` answers; answers `failed` once the rank failed, and
     /// `timeout` at `deadline`.
     async fn wait_session<T>(
@@ -514,6 +555,27 @@ impl Session {
         });
         Ok(json!({"ok": true, "samples": n, "bytes": report.bytes}))
     }
+}
+
+/// Refuses a call outside the connection's scope, naming the session that makes it.
+fn check_scope(scope: Scope, req: &Request) -> Result<(), ApiError> {
+    let (op, needs) = match req {
+        Request::RegisterWeights { .. } => ("register_weights", Scope::Weights),
+        Request::AcquireStaged { .. } => ("acquire_staged", Scope::Weights),
+        Request::ReleaseStaged {} => ("release_staged", Scope::Weights),
+        Request::NextStep {} => ("next_step", Scope::Rollouts),
+        Request::Put { .. } => ("put", Scope::Rollouts),
+        Request::EndStep { .. } => ("end_step", Scope::Rollouts),
+        _ => return Ok(()),
+    };
+    if scope == Scope::All || scope == needs {
+        return Ok(());
+    }
+    Err(state(format!(
+        "{op} in a \"{}\" session; it belongs to the \"{}\" session (or \"all\")",
+        scope.name(),
+        needs.name()
+    )))
 }
 
 fn deadline_of(timeout_s: Option<f64>) -> Result<Option<Instant>, ApiError> {
