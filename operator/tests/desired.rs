@@ -408,3 +408,44 @@ fn the_network_policy_admits_only_the_jobs_pods_and_prometheus_on_the_metrics_po
     assert!(desired(&off, 0, &cfg()).unwrap().network_policy.is_none());
     assert_eq!(spec_hash(&off.spec), spec_hash(&j.spec));
 }
+
+#[test]
+fn the_fsdp_and_vllm_deployment_renders_two_whole_node_pods_whose_containers_share_the_gpus() {
+    let j = job("rljob-llama3-8b-fsdp-vllm.yaml");
+    let d = desired(&j, 0, &cfg()).unwrap();
+    assert_eq!(d.pods.len(), 2, "one trainer pod and one generation pod of four engines");
+    let env = |c: &k8s_openapi::api::core::v1::Container, name: &str| {
+        c.env.iter().flatten().find(|e| e.name == name).and_then(|e| e.value.clone())
+    };
+    for (pod, user) in d.pods.iter().zip(["trainer", "vllm"]) {
+        let spec = pod.spec.as_ref().unwrap();
+        let names: Vec<_> = spec.containers.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, vec![user]);
+        let c = &spec.containers[0];
+        assert_eq!(gpus(c).as_deref(), Some("8"), "{user}: the user's container holds the node's GPUs");
+        let w = worker(pod);
+        assert_eq!(gpus(w), None);
+        assert_eq!(env(w, "NVIDIA_VISIBLE_DEVICES").as_deref(), Some("all"), "the sidecar sees the same GPUs");
+        assert_eq!(env(w, "NVIDIA_DRIVER_CAPABILITIES").as_deref(), Some("compute,utility"), "and gets libcuda");
+        for x in [c, w] {
+            assert_eq!(env(x, "CUDA_DEVICE_ORDER").as_deref(), Some("PCI_BUS_ID"), "{}: one device order", x.name);
+            let mounts: Vec<_> = x.volume_mounts.iter().flatten().map(|m| m.mount_path.as_str()).collect();
+            assert!(mounts.contains(&"/dev/shm") && mounts.contains(&"/var/run/rlplane"), "{}: {mounts:?}", x.name);
+        }
+        assert_eq!(spec.node_selector.as_ref().unwrap()["nvidia.com/gpu.product"], "NVIDIA-H100-80GB-HBM3");
+        assert_eq!(spec.termination_grace_period_seconds, Some(60));
+    }
+    let vllm = &d.pods[1].spec.as_ref().unwrap().containers[0];
+    assert_eq!(env(vllm, "RLPLANE_ENGINE_TENSOR_PARALLEL").as_deref(), Some("2"));
+    let plan: WorkerPlan = serde_json::from_str(&d.config_map.data.as_ref().unwrap()[PLAN_KEY]).unwrap();
+    let engines: Vec<_> = plan
+        .processes
+        .iter()
+        .filter_map(|p| match p.role {
+            rlplane_api::plan::ProcessRole::Generation(c) => Some((p.pod, c.engine, c.engine_rank)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(engines.len(), 8);
+    assert!(engines.iter().all(|&(pod, _, _)| pod == engines[0].0), "all four engines in one pod: {engines:?}");
+}
