@@ -957,10 +957,23 @@ pub struct RLJobStatus {
     /// The newest checkpoint the trainer reported (written by the coordinator).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<CheckpointRef>,
+    /// The scalars (reward, KL, lengths…) of the last step that reported any, as the trainer's
+    /// and engines' processes report them (written by the coordinator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scalars: Option<StepScalars>,
     /// The checkpoint the current epoch resumed from: the operator sets it at a gang restart
     /// from `checkpoint`; the new epoch's steps start after its step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed_from: Option<CheckpointRef>,
+}
+
+/// A step's scalars in the status.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StepScalars {
+    /// The step they belong to.
+    pub step: u64,
+    /// Name → value: for each name, the mean over the ranks that reported it.
+    pub values: BTreeMap<String, f64>,
 }
 
 fn one() -> u32 {

@@ -45,6 +45,8 @@ def main() -> int:
                 # The group id as a tag too: the transfer queue can filter and route by tags.
                 tags=[[("uid", f"s{step.step}-p{int(g)}")] for g in rollouts.group],
             )
+            # The job's metrics and status show it (rlplane_step_scalar{name="reward_mean"}).
+            e.report_scalars(step.step, {"reward_mean": rollouts.reward.mean().item()})
             e.end_step(step.step)
             print(f"engine: step {step.step}: {n} rollouts from weights {step.version}, "
                   f"mean reward {rollouts.reward.mean().item():.3f}", flush=True)

@@ -118,6 +118,7 @@ def main() -> int:
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                             "curve": curve + [row], "step": batch.step}, path)
                 t.checkpoint_saved(batch.step, path)
+            t.report_scalars(batch.step, metrics)  # loss, KL, …: the job's metrics and status
             refit = t.publish(batch.step)
             published = grpo.probe_logits(model, probe)
 

@@ -268,8 +268,35 @@ pub fn network_policy_name(job: &str) -> String {
     format!("{job}-ingress")
 }
 
+/// Ports of the user's containers that serve metrics: those named `metrics` or `metrics-…` in
+/// the job's templates (vLLM's server, a trainer's exporter), which the scrapers may reach too.
+fn user_metrics_ports(job: &RLJob) -> Vec<NetworkPolicyPort> {
+    let mut ports: Vec<NetworkPolicyPort> = [&job.spec.trainer.template, &job.spec.generation.template]
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.pod_template().ok()?.spec)
+        .flat_map(|s| s.containers)
+        .flat_map(|c| c.ports.unwrap_or_default())
+        .filter(|p| p.name.as_deref().is_some_and(|n| n == "metrics" || n.starts_with("metrics-")))
+        .map(|p| NetworkPolicyPort {
+            port: Some(IntOrString::Int(p.container_port)),
+            protocol: Some(p.protocol.unwrap_or_else(|| "TCP".into())),
+            ..Default::default()
+        })
+        .collect();
+    ports.sort_by_key(|p| {
+        p.port.clone().map(|x| match x {
+            IntOrString::Int(i) => i,
+            IntOrString::String(_) => 0,
+        })
+    });
+    ports.dedup();
+    ports
+}
+
 /// The job's NetworkPolicy: its pods admit ingress from the job's own pods on every port, and
-/// from the metrics scrapers on the metrics port; nothing else.
+/// from the metrics scrapers on the metrics port and the user's containers' metrics ports;
+/// nothing else.
 fn network_policy(
     job: &RLJob,
     name: &str,
@@ -301,11 +328,15 @@ fn network_policy(
                 },
                 NetworkPolicyIngressRule {
                     from: Some(vec![scrapers]),
-                    ports: Some(vec![NetworkPolicyPort {
-                        port: Some(IntOrString::Int(job.spec.observability.metrics_port as i32)),
-                        protocol: Some("TCP".into()),
-                        ..Default::default()
-                    }]),
+                    ports: Some(
+                        std::iter::once(NetworkPolicyPort {
+                            port: Some(IntOrString::Int(job.spec.observability.metrics_port as i32)),
+                            protocol: Some("TCP".into()),
+                            ..Default::default()
+                        })
+                        .chain(user_metrics_ports(job))
+                        .collect(),
+                    ),
                 },
             ]),
             ..Default::default()

@@ -403,6 +403,24 @@ fn the_network_policy_admits_only_the_jobs_pods_and_prometheus_on_the_metrics_po
         .clone()
         .unwrap();
     assert_eq!(ns_sel.match_labels.unwrap()["kubernetes.io/metadata.name"], "monitoring");
+    // A user's container that declares a metrics port (by name) is scraped there too.
+    let mut served = j.clone();
+    served.spec.generation.template = Some(
+        serde_json::from_value(serde_json::json!({"spec": {"containers": [{"name": "vllm", "image": "vllm:1",
+            "ports": [{"name": "metrics", "containerPort": 8000}, {"name": "http", "containerPort": 8080},
+                      {"name": "metrics-exp", "containerPort": 9400}]}]}}))
+        .unwrap(),
+    );
+    let n = desired(&served, 0, &cfg()).unwrap();
+    let ports: Vec<_> = n.network_policy.unwrap().spec.unwrap().ingress.unwrap()[1]
+        .ports
+        .clone()
+        .unwrap()
+        .into_iter()
+        .map(|p| p.port.unwrap())
+        .collect();
+    let metrics = j.spec.observability.metrics_port as i32;
+    assert_eq!(ports, [metrics, 8000, 9400].map(IntOrString::Int), "not the http port");
     let mut off = j.clone();
     off.spec.network_policy.enabled = false;
     assert!(desired(&off, 0, &cfg()).unwrap().network_policy.is_none());

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -230,6 +231,36 @@ class Client:
 
         for d in sorted(self._cuda_devices):
             torch.cuda.synchronize(d)
+
+    # -- scalars ----------------------------------------------------------------------------
+
+    def report_scalars(self, step: int | Any, values: Mapping[str, float]) -> None:
+        """Reports scalars of ``step`` about the run's learning — reward, KL, loss, lengths —
+        for the job's ``/metrics`` (``rlplane_step_scalar{name=…}``), its dashboard and
+        ``status.scalars``. Each name's value is the mean over the ranks that report it.
+
+        Call it while the step is under way: a trainer before ``publish(step)``, an engine before
+        ``end_step(step)`` (an engine's driver in a ``rollouts`` session). Reporting a name again
+        in the same step replaces its value.
+
+        Raises:
+            InvalidError: a name is not letters, digits and ``_`` (at most 64), a value is not a
+                finite number, or more than 32 names in a step.
+            StateError: ``step`` is not the step under way.
+        """
+        step_no = getattr(step, "step", step)
+        if isinstance(step_no, bool) or not isinstance(step_no, (int, np.integer)):
+            raise InvalidError(f"step must be an integer, not {step!r}", op="report_scalars")
+        wire: dict[str, float] = {}
+        for k, v in values.items():
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                raise InvalidError(f"values[{k!r}]: {v!r} is not a number", op="report_scalars") from None
+            if not math.isfinite(x):
+                raise InvalidError(f"values[{k!r}]: {x} is not a finite number", op="report_scalars")
+            wire[str(k)] = x
+        self._call("report_scalars", step=int(step_no), values=wire)
 
     # -- failure and shutdown ---------------------------------------------------------------
 

@@ -147,10 +147,21 @@ def check_job(tmp: Path, out: Path, steps: int, ranks: int, engines: int) -> Non
 def test_numpy_trainer_and_direct_engines(rlplane_bin: str, tmp_path: Path) -> None:
     out = tmp_path / "reports"
     out.mkdir()
-    m = manifest(tmp_path, trainer_cmd(2, "--report", str(out)), py("engine.py", "--report", str(out), "--mode", "direct"))
+    m = manifest(tmp_path, trainer_cmd(2, "--report", str(out), "--scalars"),
+                 py("engine.py", "--report", str(out), "--mode", "direct", "--scalars"))
     p = run_local(rlplane_bin, m, tmp_path)
     assert p.returncode == 0, f"rlplane local failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     check_job(tmp_path, out, steps=3, ranks=2, engines=2)
+    # Each step's scalars: every name's mean over the ranks that reported it.
+    steps = json.loads((tmp_path / "summary.json").read_text())["steps"]["steps"]
+    assert [s["scalars"] for s in steps] == [
+        {"loss": 0.5 * n, "rank_index": 0.5, "reward_mean": float(n)} for n in (1, 2, 3)], steps
+    for t in reports(out, "trainer"):
+        errors = t["scalar_errors"]
+        assert errors["bad_name"]["class"] == "InvalidError" and "bad name" in errors["bad_name"]["message"], errors
+        assert errors["nan"]["class"] == "InvalidError", errors
+        assert errors["ahead"]["class"] == "StateError" and "step under way is 1" in errors["ahead"]["message"], errors
+        assert t["after_publish"] == "StateError"
     # The clients removed their own files (rlplane-<job>-<rank>-<pid>-<n>) when they closed.
     assert [f for f in os.listdir(tmp_path / "shm") if f.startswith("rlplane-py-client-")] == []
 

@@ -139,6 +139,10 @@ pub struct Report {
     /// A checkpoint the trainer saved since its last report (trainer ranks, on an update).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<rlplane_api::CheckpointRef>,
+    /// Scalars about the step's learning (reward, KL, lengths…) the rank's process reported for
+    /// the command's step: the user's through the local API, the synthetic engine's own.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub scalars: BTreeMap<String, f64>,
 }
 
 /// A rank's message to the coordinator.

@@ -186,6 +186,9 @@ pub struct StepRecord {
     pub refit_phases: HashMap<String, f64>,
     /// max/mean tokens over data-parallel shards.
     pub imbalance: f64,
+    /// The step's scalars (reward, KL, lengths…): for each name, the mean over the ranks that
+    /// reported it (the engines with their rollouts, the trainer ranks with their update).
+    pub scalars: BTreeMap<String, f64>,
 }
 
 /// Everything a run measured.
@@ -533,6 +536,7 @@ async fn run_step(
     let (done, clear_s) =
         tokio::join!(update_and_refit(server, roles, step, update_pending, next, timeout, Some(observer)), clearing);
     let done = done?;
+    rec.scalars = mean_scalars(generated.values().chain(done.update.values()));
     let wall = t.elapsed().as_secs_f64();
     if clear_s > wall {
         // Clearing took longer than the update and refit: the excess delayed the step.
@@ -667,6 +671,17 @@ async fn update_and_refit(
     }
     let senders = roles.refit_groups.iter().flat_map(|(s, _)| s.iter().cloned()).collect();
     Ok(UpdateRefit { update, refit, update_wall, generate: (!generate.is_empty()).then_some(generate), senders })
+}
+
+/// For each scalar name, the mean of the values the reports carry.
+fn mean_scalars<'a>(reports: impl Iterator<Item = &'a Report>) -> BTreeMap<String, f64> {
+    let mut sums: BTreeMap<String, (f64, u32)> = BTreeMap::new();
+    for (k, v) in reports.flat_map(|r| &r.scalars) {
+        let e = sums.entry(k.clone()).or_insert((0.0, 0));
+        e.0 += v;
+        e.1 += 1;
+    }
+    sums.into_iter().map(|(k, (sum, n))| (k, sum / n as f64)).collect()
 }
 
 /// Summary statistics of a run, for the table and `--json`.

@@ -778,8 +778,9 @@ impl Observer for Arc<Ui> {
                 *self.checkpoint.lock().expect("checkpoint lock") = Some(cp);
             }
             Progress::StepDone(r) => {
+                let scalars: String = r.scalars.iter().map(|(k, v)| format!(", {k} {v:.4}")).collect();
                 let line = format!(
-                    "step {}/{}: {:.3}s (generate {:.3}s, transfer {:.3}s, train {:.3}s, refit {:.4}s), {} samples, {} tokens, imbalance {:.3}, weights v{} everywhere",
+                    "step {}/{}: {:.3}s (generate {:.3}s, transfer {:.3}s, train {:.3}s, refit {:.4}s), {} samples, {} tokens, imbalance {:.3}, weights v{} everywhere{scalars}",
                     r.step,
                     self.steps,
                     r.total_s,

@@ -77,6 +77,13 @@ pub struct PhaseLabels {
     pub phase: String,
 }
 
+/// Label set `{name}`: a step scalar the job's processes report (reward, KL…).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScalarLabels {
+    /// The scalar's name, as reported.
+    pub name: String,
+}
+
 /// Label set `{unit}`: a transfer-queue storage unit.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UnitLabels {
@@ -163,6 +170,7 @@ pub struct CoordinatorMetrics {
     tokens: Counter,
     samples: Counter,
     imbalance: FloatGauge,
+    scalars: Family<ScalarLabels, FloatGauge>,
 }
 
 /// Phases of a step in `rlplane_step_phase_duration_seconds`.
@@ -183,6 +191,7 @@ impl CoordinatorMetrics {
             tokens: Counter::default(),
             samples: Counter::default(),
             imbalance: FloatGauge::default(),
+            scalars: Family::default(),
         };
         registry.register("steps", "Steps completed", m.steps.clone());
         registry.register_with_unit("step_duration", "Wall time of a step", Unit::Seconds, m.step_duration.clone());
@@ -228,6 +237,12 @@ impl CoordinatorMetrics {
             "max/mean tokens over the data-parallel shards in the last step",
             m.imbalance.clone(),
         );
+        registry.register(
+            "step_scalar",
+            "Scalars of the last step that reported each (reward, KL, lengths…: what the trainer's and engines' \
+             processes report through the local API), the mean over the ranks that reported it",
+            m.scalars.clone(),
+        );
         for phase in STEP_PHASES {
             let _ = m.step_phases.get_or_create(&PhaseLabels { phase: phase.into() });
         }
@@ -257,6 +272,9 @@ impl CoordinatorMetrics {
         self.tokens.inc_by(r.tokens);
         self.samples.inc_by(r.samples);
         self.imbalance.set(r.imbalance);
+        for (name, v) in &r.scalars {
+            self.scalars.get_or_create(&ScalarLabels { name: name.clone() }).set(*v);
+        }
     }
 
     /// The trainer's weights are now at `version` (the update of step `version` finished).

@@ -1,13 +1,14 @@
 //! The coordinator's report of progress into its RLJob's status.
 //!
-//! The operator owns the RLJob's status except four fields the coordinator owns: `status.step`,
+//! The operator owns the RLJob's status except five fields the coordinator owns: `status.step`,
 //! `status.lastRefit`, `status.stall` (what a wait of the coordinator's that has lasted
-//! [`crate::patience::REPORT_EVERY`] waits for; gone when it ends) and `status.checkpoint` (the
+//! [`crate::patience::REPORT_EVERY`] waits for; gone when it ends), `status.checkpoint` (the
 //! newest checkpoint the trainer reported; a resumed epoch starts with the one it resumed from,
-//! so that the field is never lost between epochs). The coordinator writes them
+//! so that the field is never lost between epochs) and `status.scalars` (the scalars of the last
+//! step that reported any). The coordinator writes them
 //! with a server-side-apply patch of the status subresource under its own field manager
 //! (`rlplane-coordinator`), so the two writers never fight over fields; the pod's ServiceAccount
-//! may patch only its own job's status. Every patch carries all four as they stand (a field left
+//! may patch only its own job's status. Every patch carries all five as they stand (a field left
 //! out of an apply is removed). Reports are throttled (at most one a second, the last one always)
 //! and best-effort: a failed report is logged, never fatal to the job.
 
@@ -15,7 +16,7 @@ use std::time::Duration;
 
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
-use rlplane_api::{CheckpointRef, RLJob};
+use rlplane_api::{CheckpointRef, RLJob, StepScalars};
 use tokio::sync::mpsc;
 
 use crate::coordinator::{Observer, Progress, StepRecord};
@@ -34,6 +35,8 @@ pub struct CoordinatorStatus {
     pub stall: Option<Stall>,
     /// The newest checkpoint the trainer reported.
     pub checkpoint: Option<CheckpointRef>,
+    /// The scalars of the last step that reported any.
+    pub scalars: Option<StepScalars>,
 }
 
 /// The status patch for what the coordinator has to say.
@@ -64,6 +67,9 @@ pub fn status_patch(now: &CoordinatorStatus) -> serde_json::Value {
     }
     if let Some(cp) = &now.checkpoint {
         status.insert("checkpoint".into(), serde_json::json!({"step": cp.step, "uri": cp.uri}));
+    }
+    if let Some(s) = &now.scalars {
+        status.insert("scalars".into(), serde_json::json!({"step": s.step, "values": s.values}));
     }
     serde_json::json!({"apiVersion": "rlplane.dev/v1alpha1", "kind": "RLJob", "status": status})
 }
@@ -105,7 +111,13 @@ impl StatusReporter {
                 let mut next = Some(first);
                 while let Some(report) = next.take().or_else(|| rx.try_recv().ok()) {
                     match report {
-                        Report::Step(step) => now.step = Some(step),
+                        Report::Step(step) => {
+                            if !step.scalars.is_empty() {
+                                now.scalars =
+                                    Some(StepScalars { step: step.step as u64, values: step.scalars.clone() });
+                            }
+                            now.step = Some(step);
+                        }
                         Report::Stall(stall) => now.stall = stall,
                         Report::Checkpoint(cp) => now.checkpoint = Some(cp),
                     }
@@ -169,11 +181,13 @@ mod tests {
         };
         let stall = Stall { phase: "train".into(), waiting_for: vec!["trainer-1".into()], seconds: 12.4 };
         let checkpoint = Some(CheckpointRef { step: 5, uri: "s3://ckpt/step-5".into() });
-        let p = status_patch(&CoordinatorStatus { step: Some(rec), stall: Some(stall), checkpoint });
+        let scalars = Some(StepScalars { step: 6, values: [("reward_mean".to_string(), 0.75)].into() });
+        let p = status_patch(&CoordinatorStatus { step: Some(rec), stall: Some(stall), checkpoint, scalars });
         let status = p["status"].as_object().unwrap();
         let mut keys: Vec<&String> = status.keys().collect();
         keys.sort();
-        assert_eq!(keys, ["checkpoint", "lastRefit", "stall", "step"], "never the operator's fields");
+        assert_eq!(keys, ["checkpoint", "lastRefit", "scalars", "stall", "step"], "never the operator's fields");
+        assert_eq!(p["status"]["scalars"]["values"]["reward_mean"], 0.75);
         assert_eq!(p["status"]["checkpoint"]["uri"], "s3://ckpt/step-5");
         assert_eq!(p["status"]["lastRefit"]["summary"], "v7 0.044s");
         assert_eq!(p["status"]["stall"]["message"], "train: waiting 12s for trainer-1");
@@ -192,6 +206,7 @@ mod tests {
             step: None,
             stall: Some(Stall { phase: "connecting".into(), waiting_for: vec!["gen-0".into()], seconds: 5.0 }),
             checkpoint: None,
+            scalars: None,
         });
         assert!(before_any_step["status"].get("step").is_none());
         assert_eq!(before_any_step["status"]["stall"]["waitingFor"][0], "gen-0");

@@ -98,6 +98,18 @@ pub struct Rollout {
     pub reward: f32,
 }
 
+/// The scalars a synthetic engine reports for its rollouts of a step, as a user's engine would:
+/// their mean reward and mean response length.
+pub fn rollout_scalars(rollouts: &[Rollout]) -> std::collections::BTreeMap<String, f64> {
+    if rollouts.is_empty() {
+        return Default::default();
+    }
+    let n = rollouts.len() as f64;
+    let reward = rollouts.iter().map(|r| r.reward as f64).sum::<f64>() / n;
+    let length = rollouts.iter().map(|r| r.old_logprobs.len() as f64).sum::<f64>() / n;
+    [("reward_mean".to_string(), reward), ("response_tokens_mean".to_string(), length)].into()
+}
+
 /// Generates a sample's rollout. The prompt's tokens are shared by its whole group, as in GRPO.
 pub fn rollout(w: &WorkloadSpec, step: u32, s: &SampleSpec) -> Rollout {
     let p = s.prompt_tokens as usize;

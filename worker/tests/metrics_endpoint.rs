@@ -157,6 +157,12 @@ async fn local_metrics_port_merges_every_rank_and_the_coordinator() {
         assert!(value(&s, "rlplane_step_phase_duration_seconds_count", &[job, &p]) >= steps);
     }
     assert!(value(&s, "rlplane_tq_claim_duration_seconds_count", &[job]) >= steps);
+    // The step's scalars: the synthetic engines report their rollouts' mean reward (0 or 1 each)
+    // and mean response length (within spec.workload.responseTokens, 32 to 256).
+    let reward = value(&s, "rlplane_step_scalar", &[job, r#"name="reward_mean""#]);
+    assert!((0.0..=1.0).contains(&reward), "reward_mean {reward}");
+    let length = value(&s, "rlplane_step_scalar", &[job, r#"name="response_tokens_mean""#]);
+    assert!((32.0..=256.0).contains(&length), "response_tokens_mean {length}");
     // Each generation rank: the version it holds, what it received, what its producer put.
     for rank in ["0", "1"] {
         let me = format!("role=\"generation\",rank=\"{rank}\"");

@@ -149,9 +149,17 @@ def rlplane_local(binary: str, job: Path, result: Path, *extra: str) -> subproce
 
 
 def test_rlplane_run_learns_and_follows_the_reference(rlplane_bin, tmp_path):
-    run = rlplane_local(rlplane_bin, EXAMPLE / "rljob.yaml", tmp_path / "result.json")
+    run = rlplane_local(rlplane_bin, EXAMPLE / "rljob.yaml", tmp_path / "result.json", "--json",
+                        str(tmp_path / "summary.json"))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
+    # The trainer's and the engine's scalars reached the job's step records (and so /metrics
+    # and the RLJob status): the trainer's curve, and the engine's mean reward of the same rollouts.
+    steps = json.loads((tmp_path / "summary.json").read_text())["steps"]["steps"]
+    assert len(steps) == grpo.Config.steps
+    for rec, row in zip(steps, result["curve"]):
+        assert rec["scalars"]["loss"] == pytest.approx(row["loss"], abs=1e-4), (rec["scalars"], row)
+        assert rec["scalars"]["reward_mean"] == pytest.approx(row["reward"], abs=1e-4)  # the curve rounds to 4 places
     assert result["steps"] == grpo.Config.steps
     # Every step compared the engine's probe logits for the weights it generated with; only the
     # last publish has no generation after it, and the result says so.

@@ -51,6 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", required=True)
     ap.add_argument("--mode", choices=["direct", "staged"], default="direct")
+    ap.add_argument("--scalars", action="store_true", help="report the step's mean reward")
     ap.add_argument("--device", default="cpu", help="direct mode: where the engine's tensors live (cpu, cuda)")
     args = ap.parse_args()
     report: dict = {"steps": [], "mode": args.mode}
@@ -96,6 +97,8 @@ def main() -> int:
                 "reward": np.array([float(step.step)] * n, np.float32),
             }, tags=[{"engine": str(info.rank.engine)}] * n)
             entry["put"] = {"samples": res.samples, "bytes": res.bytes, "lengths": lengths.tolist()}
+            if args.scalars:
+                e.report_scalars(step, {"reward_mean": float(step.step)})
             report["steps"].append(entry)
         report["done"] = True
     with open(os.path.join(args.report, f"engine-{report['rank']}.json"), "w") as f:

@@ -49,6 +49,20 @@ def probe_errors(t: rlplane.Trainer, held: list) -> dict:
     return out
 
 
+def report_scalars(t: rlplane.Trainer, step: int, report: dict) -> None:
+    """Reports this rank's step scalars; the first time, also what reporting bad ones raises."""
+    if "scalar_errors" not in report:
+        report["scalar_errors"] = {}
+        for key, (s, values) in {"bad_name": (step, {"bad name": 1.0}), "nan": (step, {"loss": float("nan")}),
+                                 "ahead": (step + 1, {"loss": 1.0})}.items():
+            try:
+                t.report_scalars(s, values)
+                report["scalar_errors"][key] = None
+            except rlplane.RlplaneError as e:
+                report["scalar_errors"][key] = {"class": type(e).__name__, "message": e.message}
+    t.report_scalars(step, {"loss": step * 0.5, "rank_index": t.info.rank.rank})
+
+
 def checkpoint(t: rlplane.Trainer, directory: str, step: int, report: dict) -> None:
     """Saves the trainer's state after `step` (here: just the step) and reports it; the first
     time, also what the sidecar answers to a checkpoint of a step not trained yet and to an
@@ -78,6 +92,7 @@ def main() -> int:
     ap.add_argument("--fail-once-marker", default=None,
                     help="with --fail-at: fail only if this file does not exist yet, and create it")
     ap.add_argument("--probe-errors", action="store_true", help="first provoke the sidecar's errors and record them")
+    ap.add_argument("--scalars", action="store_true", help="report step scalars (and probe the bad ones once)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="save a checkpoint (the version, as a file) where the job asks for one and report it")
     args = ap.parse_args()
@@ -146,8 +161,16 @@ def main() -> int:
             set_version(batch.step)
             if args.checkpoint_dir and t.checkpoint_due(batch.step):
                 checkpoint(t, args.checkpoint_dir, batch.step, report)
+            if args.scalars:
+                report_scalars(t, batch.step, report)
             p = t.publish(batch.step)
             report["publish"].append({"version": p.version, "refit_s": p.refit_s, "bytes": p.bytes})
+            if args.scalars and "after_publish" not in report:
+                try:
+                    t.report_scalars(batch.step, {"loss": 0.0})
+                    report["after_publish"] = None
+                except rlplane.RlplaneError as e:
+                    report["after_publish"] = type(e).__name__
         report["done"] = True
     path = os.path.join(args.report, f"trainer-{report['rank']}.json")
     with open(path, "w") as f:

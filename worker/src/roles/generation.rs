@@ -134,6 +134,7 @@ impl Generation {
                 tokens: put.tokens,
                 phases: [("generate".to_string(), (secs(t) - put.seconds).max(0.0)), ("put".to_string(), put.seconds)]
                     .into(),
+                scalars: link.take_scalars(),
                 ..Default::default()
             });
         }
@@ -178,6 +179,7 @@ impl Generation {
             samples: samples.len() as u64,
             tokens: samples.iter().map(|s| s.tokens()).sum(),
             phases: [("generate".to_string(), generate_s), ("put".to_string(), put_s)].into(),
+            scalars: workload::rollout_scalars(&rollouts),
             ..Default::default()
         })
     }

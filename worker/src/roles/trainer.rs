@@ -336,6 +336,7 @@ impl Trainer {
                 bytes: w.total_bytes(),
                 phases: [("user".to_string(), waited), ("digest".to_string(), secs(t))].into(),
                 checkpoint: link.take_checkpoint(),
+                scalars: link.take_scalars(),
                 ..Default::default()
             });
         }

@@ -257,6 +257,8 @@ struct State {
     refit: Option<(u64, Result<Value, String>)>,
     /// A checkpoint the user saved that the coordinator has not heard of yet.
     checkpoint: Option<rlplane_api::CheckpointRef>,
+    /// Scalars the user reported for the current step that the coordinator has not heard of yet.
+    scalars: std::collections::BTreeMap<String, f64>,
     // Engine.
     /// The step the coordinator asked for, and whether `next_step` handed it out.
     step: Option<(u32, bool)>,
@@ -446,6 +448,11 @@ impl Link {
     /// Trainer: the checkpoint the user saved since the last update's report, if any.
     pub fn take_checkpoint(&self) -> Option<rlplane_api::CheckpointRef> {
         self.update(|s| s.checkpoint.take())
+    }
+
+    /// The scalars the user reported for the step since the last report (see `report_scalars`).
+    pub fn take_scalars(&self) -> std::collections::BTreeMap<String, f64> {
+        self.update(|s| std::mem::take(&mut s.scalars))
     }
 
     /// Trainer: the refit of `version` ended (answers the user's `publish`).

@@ -154,6 +154,13 @@ pub enum Request {
         #[serde(default)]
         session: Option<String>,
     },
+    /// Scalars about a step's learning (reward, KL, lengths…), for the job's metrics and status.
+    ReportScalars {
+        /// The step they belong to: the rank's current step.
+        step: u64,
+        /// Name → value.
+        values: std::collections::BTreeMap<String, f64>,
+    },
     /// Register weights.
     RegisterWeights {
         /// `direct` (default) or `staged`.
@@ -239,6 +246,7 @@ pub const OPS: &[&str] = &[
     "register_weights",
     "publish",
     "checkpoint_saved",
+    "report_scalars",
     "next_batch",
     "next_step",
     "put",

@@ -1,6 +1,6 @@
 //! One connection to a rank's local API: the handshake, then requests answered in order.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -22,6 +22,11 @@ use crate::tq::{Batch, Column, FieldSpec, PutOptions};
 
 /// The longest checkpoint URI a trainer may report (it goes into the RLJob's status).
 const MAX_CHECKPOINT_URI: usize = 4096;
+
+/// The most scalars a rank reports per step, and the longest name: they become Prometheus
+/// series and keys of the RLJob's status, which must stay small.
+const MAX_SCALARS: usize = 32;
+const MAX_SCALAR_NAME: usize = 64;
 
 /// Serves one connection until it closes.
 pub async fn serve(link: Link, stream: UnixStream) {
@@ -276,6 +281,10 @@ impl Session {
                 })?;
                 Reply::Now(json!({"ok": true}))
             }
+            Request::ReportScalars { step, values } => {
+                self.report_scalars(step, values)?;
+                Reply::Now(json!({"ok": true}))
+            }
             Request::NextBatch {} => {
                 self.need(Role::Trainer, "next_batch")?;
                 let b = self.wait_session(None, |s| s.batch.take().map(Some).or(s.done.then_some(None))).await?;
@@ -369,6 +378,54 @@ impl Session {
                 self.clean = true;
                 Reply::Close(json!({"ok": true}))
             }
+        })
+    }
+
+    /// Keeps scalars of the rank's current step for the step's report to the coordinator: a
+    /// trainer's before it publishes the step, an engine's before it ends it.
+    fn report_scalars(&self, step: u64, values: BTreeMap<String, f64>) -> Result<(), ApiError> {
+        for (name, v) in &values {
+            let well_formed = !name.is_empty()
+                && name.len() <= MAX_SCALAR_NAME
+                && name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !well_formed {
+                return Err(invalid(format!(
+                    "values: {name:?} is not a scalar name; use letters, digits and _ (not first a digit), at most {MAX_SCALAR_NAME} characters (it becomes a Prometheus label value and a status key)"
+                )));
+            }
+            if !v.is_finite() {
+                return Err(invalid(format!("values.{name}: {v} is not a finite number")));
+            }
+        }
+        let role = self.role();
+        self.link.update(|s| {
+            let current = match role {
+                // Its batch taken, the step not yet published.
+                Role::Trainer => (s.batch.is_none() && s.published.is_some_and(|p| p < s.next_version))
+                    .then_some(s.next_version),
+                // Handed out, not yet ended.
+                Role::Engine => {
+                    s.step.filter(|&(st, handed)| handed && s.ended != Some(st)).map(|(st, _)| st as u64)
+                }
+            };
+            if current != Some(step) {
+                return Err(state(format!(
+                    "report_scalars(step={step}) but {}: report a step's scalars while it is under way (a trainer before publish(step), an engine before end_step(step))",
+                    match current {
+                        Some(c) => format!("the step under way is {c}"),
+                        None => "no step is under way".to_string(),
+                    }
+                )));
+            }
+            let fresh = values.keys().filter(|k| !s.scalars.contains_key(*k)).count();
+            if s.scalars.len() + fresh > MAX_SCALARS {
+                return Err(invalid(format!(
+                    "values: more than {MAX_SCALARS} scalars for step {step}; report fewer names"
+                )));
+            }
+            s.scalars.extend(values);
+            Ok(())
         })
     }
 
@@ -566,6 +623,7 @@ fn check_scope(scope: Scope, req: &Request) -> Result<(), ApiError> {
         Request::NextStep {} => ("next_step", Scope::Rollouts),
         Request::Put { .. } => ("put", Scope::Rollouts),
         Request::EndStep { .. } => ("end_step", Scope::Rollouts),
+        Request::ReportScalars { .. } => ("report_scalars", Scope::Rollouts),
         _ => return Ok(()),
     };
     if scope == Scope::All || scope == needs {
