@@ -119,6 +119,11 @@ async fn runs_to_succeeded(file: &str) -> anyhow::Result<()> {
     assert_eq!(st.restarts, 0, "{file}: no gang restart: {:?}", rlplane_e2e::gang_restart_events(&c.env, &name).await?);
     let steps = job.spec.workload.steps as u64;
     assert_eq!(st.step, Some(steps), "{file}: the coordinator reported every step: {st:?}");
+    // The step scalars (here the synthetic engines' mean reward) reached the status through the
+    // API server: the CRD's schema keeps the field.
+    let scalars = st.scalars.as_ref().unwrap_or_else(|| panic!("{file}: no status.scalars: {st:?}"));
+    assert_eq!(scalars.step, steps, "{file}: {scalars:?}");
+    assert!(scalars.values.get("reward_mean").is_some_and(|r| (0.0..=1.0).contains(r)), "{file}: {scalars:?}");
     assert!(!progress.is_empty(), "{file}: STEP/REFIT never showed while the job ran");
     assert!(progress.windows(2).all(|w| w[0].0 < w[1].0), "{file}: STEP only advances: {progress:?}");
     assert!(progress.iter().all(|&(step, version)| version >= 1 && version <= step + 1), "{progress:?}");
