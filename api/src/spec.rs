@@ -48,6 +48,7 @@ pub const MAX_JOB_NAME_LEN: usize = 40;
 #[x_kube(validation = Rule::new("self.mode != 'Colocated' || self.refit.transport != 'Nccl'").message("spec.refit.transport: Nccl cannot serve Colocated mode (a trainer and a generation rank share each GPU); use CudaIpc or Auto"))]
 #[x_kube(validation = Rule::new("self.device == 'Gpu' || (self.refit.transport != 'Nccl' && self.refit.transport != 'CudaIpc')").message("spec.refit.transport: Nccl and CudaIpc need GPUs; with device Cpu use Tcp or Auto"))]
 #[x_kube(validation = Rule::new("self.mode != 'Split' || !has(self.generation.gpusPerNode) || self.generation.gpusPerNode < self.generation.tensorParallel || self.generation.engines % (self.generation.gpusPerNode / self.generation.tensorParallel) == 0").message("spec.generation.engines: in Split mode engines must fill whole generation pods (a multiple of gpusPerNode / tensorParallel)"))]
+#[x_kube(validation = Rule::new("self.device == 'Gpu' || !has(self.gpus) || self.gpus.sharing != 'ResourceClaim'").message("spec.gpus.sharing: ResourceClaim shares the pods' GPUs, and device Cpu has none: set device Gpu, or leave spec.gpus out"))]
 #[x_kube(validation = Rule::new("self.workload.promptsPerStep * self.workload.samplesPerPrompt >= self.trainer.parallelism.data").message("spec.workload: promptsPerStep × samplesPerPrompt must be at least trainer.parallelism.data, so that every data-parallel shard gets samples"))]
 pub struct RLJobSpec {
     /// Where generation runs: `Colocated` (trainer and generation engines share the same GPUs and
@@ -90,6 +91,48 @@ pub struct RLJobSpec {
     /// trainer saves it where it chooses and reports where (`Trainer.checkpoint_saved`).
     #[serde(default, skip_serializing_if = "CheckpointSpec::is_off")]
     pub checkpoint: CheckpointSpec,
+    /// How the worker sidecar and the user's containers share a pod's GPUs (device `Gpu` with
+    /// user templates): through the device plugin (default) or one ResourceClaim (DRA).
+    #[serde(default, skip_serializing_if = "GpuSpec::is_default")]
+    pub gpus: GpuSpec,
+}
+
+/// How a pod's GPUs reach its containers (`spec.gpus`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.sharing != 'ResourceClaim' || has(self.deviceClassName)").message("spec.gpus.deviceClassName: sharing ResourceClaim allocates the pod's GPUs from a DeviceClass; name it (e.g. gpu.nvidia.com)"))]
+pub struct GpuSpec {
+    /// `DevicePlugin` (default): the first user container requests `nvidia.com/gpu` (unless one
+    /// does itself) and the worker sidecar sees the node's GPUs through
+    /// `NVIDIA_VISIBLE_DEVICES=all` — the pod's GPUs only when the pod takes the whole node, so
+    /// use it with gpusPerNode equal to the node's GPU count. `ResourceClaim`: every pod gets one
+    /// ResourceClaim (Dynamic Resource Allocation) for its GPUs, and the worker and every user
+    /// container use that claim, so all of them see exactly the same devices.
+    #[serde(default)]
+    pub sharing: GpuSharing,
+    /// `ResourceClaim`: the DeviceClass the pod's GPUs are allocated from (e.g. `gpu.nvidia.com`,
+    /// NVIDIA's DRA driver).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_class_name: Option<String>,
+}
+
+impl GpuSpec {
+    /// Whether it is the default (left out of the serialized spec, so existing jobs' spec hashes
+    /// do not change).
+    pub fn is_default(&self) -> bool {
+        *self == GpuSpec::default()
+    }
+}
+
+/// How the worker and the user's containers share a pod's GPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum GpuSharing {
+    /// The NVIDIA device plugin allocates the GPUs to one user container; the worker sees the
+    /// node's GPUs by environment (whole-node pods).
+    #[default]
+    DevicePlugin,
+    /// One ResourceClaim per pod, used by the worker and every user container.
+    ResourceClaim,
 }
 
 /// The checkpoint cadence (`spec.checkpoint`).

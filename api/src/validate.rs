@@ -337,6 +337,8 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
         );
     }
 
+    gpu_sharing(spec, &mut c);
+
     // NetworkPolicy: its label selectors must be valid Kubernetes labels, or the policy's apply
     // fails later, with a message about the NetworkPolicy instead of this field.
     let np = &spec.network_policy;
@@ -364,6 +366,57 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     }
 
     c.finish()
+}
+
+/// `spec.gpus`: a ResourceClaim needs GPUs, a DeviceClass, and no device-plugin requests beside it.
+fn gpu_sharing(spec: &RLJobSpec, c: &mut Collector) {
+    if spec.gpus.sharing != crate::GpuSharing::ResourceClaim {
+        return;
+    }
+    if spec.device != crate::Device::Gpu {
+        c.err(
+            "spec.gpus.sharing",
+            "ResourceClaim shares the pods' GPUs, and device Cpu has none: set device Gpu, or leave spec.gpus out",
+        );
+    }
+    match spec.gpus.device_class_name.as_deref() {
+        None | Some("") => c.err(
+            "spec.gpus.deviceClassName",
+            "sharing ResourceClaim allocates the pod's GPUs from a DeviceClass; name it (e.g. gpu.nvidia.com)",
+        ),
+        Some(n) if !is_dns_subdomain(n) => c.err(
+            "spec.gpus.deviceClassName",
+            format!("`{n}` is not a DeviceClass name: lowercase letters, digits, '-' and '.', at most 253 (e.g. gpu.nvidia.com)"),
+        ),
+        Some(_) => {}
+    }
+    for (path, template) in
+        [("spec.trainer.template", &spec.trainer.template), ("spec.generation.template", &spec.generation.template)]
+    {
+        let Some(spec) = template.as_ref().and_then(|t| t.pod_template().ok()).and_then(|t| t.spec) else { continue };
+        for (i, ctr) in spec.containers.iter().enumerate() {
+            let r = ctr.resources.as_ref();
+            for (field, list) in
+                [("limits", r.and_then(|r| r.limits.as_ref())), ("requests", r.and_then(|r| r.requests.as_ref()))]
+            {
+                if list.is_some_and(|l| l.contains_key("nvidia.com/gpu")) {
+                    c.err(
+                        format!("{path}.spec.containers[{i}].resources.{field}"),
+                        "nvidia.com/gpu with spec.gpus.sharing ResourceClaim: the pod's GPUs come from its ResourceClaim, which every container uses; remove the request",
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A DNS subdomain (RFC 1123): at most 253 characters of lowercase letters, digits, '-' and '.',
+/// alphanumeric at both ends.
+fn is_dns_subdomain(n: &str) -> bool {
+    n.len() <= 253
+        && n.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && n.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
 }
 
 /// A label value: empty, or at most 63 of `[A-Za-z0-9._-]`, alphanumeric at both ends.

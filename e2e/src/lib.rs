@@ -591,3 +591,21 @@ pub fn live_of_epoch(pods: &[Pod], epoch: u32) -> Vec<&Pod> {
         .filter(|p| p.labels().get(labels::EPOCH).map(String::as_str) == Some(epoch.to_string().as_str()))
         .collect()
 }
+
+/// Strips from a job what a real deployment's site provides and the test cluster lacks: the
+/// PriorityClass it names (pods naming a missing one are refused) and the PersistentVolumeClaims
+/// its templates mount (emptyDirs instead: no pod with an unbound claim is ever scheduled).
+pub fn without_site_dependencies(job: &mut RLJob) {
+    job.spec.scheduling.priority_class_name = None;
+    for t in [&mut job.spec.trainer.template, &mut job.spec.generation.template].into_iter().flatten() {
+        let Ok(mut pt) = t.pod_template() else { continue };
+        for v in pt.spec.iter_mut().flat_map(|s| s.volumes.iter_mut().flatten()) {
+            if v.persistent_volume_claim.take().is_some() {
+                v.empty_dir = Some(Default::default());
+            }
+        }
+        if let Ok(back) = serde_json::to_value(pt).and_then(serde_json::from_value) {
+            *t = back;
+        }
+    }
+}

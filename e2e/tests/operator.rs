@@ -41,7 +41,7 @@ async fn event_reasons(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
 /// create → PodsCreated → all ready → Running → a pod fails → gang restart at epoch 1 → Running
 /// → the coordinator exits 0 → Succeeded, pods and objects deleted.
 async fn lifecycle(env: &Env, file: &str) -> anyhow::Result<()> {
-    let job = env.apply_manifest(file, |_| {}).await?;
+    let job = env.apply_manifest(file, rlplane_e2e::without_site_dependencies).await?;
     let name = job.name_any();
     let n = desired(&job, 0, &OperatorConfig::default())?.pods.len();
     let gang = job.spec.scheduling.gang;

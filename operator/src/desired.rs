@@ -9,13 +9,17 @@ use std::collections::BTreeMap;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, PodSpec, Probe, ResourceRequirements, Secret,
-    SecretVolumeSource, Service, ServiceAccount, ServicePort, ServiceSpec, Volume, VolumeMount,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, PodResourceClaim, PodSpec, Probe, ResourceClaim,
+    ResourceRequirements, Secret, SecretVolumeSource, Service, ServiceAccount, ServicePort, ServiceSpec, Volume,
+    VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::resource::v1::{
+    DeviceClaim, DeviceRequest, ExactDeviceRequest, ResourceClaimSpec, ResourceClaimTemplate, ResourceClaimTemplateSpec,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -30,7 +34,8 @@ use rlplane_api::topology::{
     ClusterAddressing, JobIdentity, POD_IPC_DIR, build_plan, headless_service_name, plan_config_map_name,
 };
 use rlplane_api::{
-    Device, GangScheduler, PodOverrides, RLJob, RLJobSpec, RunPolicy, UserTemplate, ValidationErrors, validate_job,
+    Device, GangScheduler, GpuSharing, PodOverrides, RLJob, RLJobSpec, RunPolicy, UserTemplate, ValidationErrors,
+    validate_job,
 };
 
 /// Label keys.
@@ -135,6 +140,9 @@ pub struct Desired {
     pub pods: Vec<Pod>,
     /// The gang scheduler's PodGroup, when `scheduling.gang` asks for one.
     pub pod_group: Option<DynamicObject>,
+    /// `<job>-gpus-<n>`: with `spec.gpus.sharing: ResourceClaim`, one template per GPU count its
+    /// pods have, from which each pod gets its own ResourceClaim.
+    pub gpu_claim_templates: Vec<ResourceClaimTemplate>,
 }
 
 /// Computes the desired state of `job` at `epoch`.
@@ -238,6 +246,7 @@ pub fn desired(job: &RLJob, epoch: u32, cfg: &OperatorConfig) -> Result<Desired,
     let pod_group = pod_group(job, &name, &namespace, &owner, plan.pods.len());
     let hash = spec_hash(&job.spec);
     let pods = (0..plan.pods.len()).map(|i| pod(job, &plan, i, epoch, cfg, &owner, &hash, &meta)).collect();
+    let gpu_claim_templates = gpu_claim_templates(job, &plan, &meta);
     Ok(Desired {
         plan,
         service_account,
@@ -249,7 +258,123 @@ pub fn desired(job: &RLJob, epoch: u32, cfg: &OperatorConfig) -> Result<Desired,
         network_policy,
         pods,
         pod_group,
+        gpu_claim_templates,
     })
+}
+
+/// The name of the job's ResourceClaimTemplate for pods of `gpus` GPUs.
+pub fn gpu_claim_template_name(job: &str, gpus: u32) -> String {
+    format!("{job}-gpus-{gpus}")
+}
+
+/// The pod's name for its GPU claim, which the worker and every user container reference.
+pub const GPU_CLAIM: &str = "gpus";
+
+/// `spec.gpus.sharing: ResourceClaim`: one ResourceClaimTemplate per GPU count among the job's
+/// pods, asking its DeviceClass for exactly that many devices.
+fn gpu_claim_templates(
+    job: &RLJob,
+    plan: &WorkerPlan,
+    meta: &dyn Fn(String, BTreeMap<String, String>) -> ObjectMeta,
+) -> Vec<ResourceClaimTemplate> {
+    let spec = &job.spec;
+    if spec.device != Device::Gpu || spec.gpus.sharing != GpuSharing::ResourceClaim {
+        return Vec::new();
+    }
+    let class = spec.gpus.device_class_name.clone().unwrap_or_default();
+    let mut counts: Vec<u32> = plan.pods.iter().map(|p| p.gpus).filter(|&g| g > 0).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+        .into_iter()
+        .map(|gpus| ResourceClaimTemplate {
+            metadata: meta(gpu_claim_template_name(&plan.job.name, gpus), BTreeMap::new()),
+            spec: ResourceClaimTemplateSpec {
+                metadata: None,
+                spec: ResourceClaimSpec {
+                    devices: Some(DeviceClaim {
+                        requests: Some(vec![DeviceRequest {
+                            name: GPU_CLAIM.into(),
+                            exactly: Some(ExactDeviceRequest {
+                                device_class_name: class.clone(),
+                                allocation_mode: Some("ExactCount".into()),
+                                count: Some(gpus as i64),
+                                ..Default::default()
+                            }),
+                            ..Default::default()
+                        }]),
+                        ..Default::default()
+                    }),
+                },
+            },
+        })
+        .collect()
+}
+
+/// Gives the pod's containers its GPUs as `spec.gpus` says. `DevicePlugin`: without user
+/// containers the worker requests them; with them, the first user container does (unless one
+/// asks itself) and the worker sees the node's GPUs by environment, with the NVIDIA toolkit
+/// mounting the driver. `ResourceClaim`: the pod's claim, used by the worker and every user
+/// container. Either way every container enumerates devices in PCI order, so that device n is
+/// the same GPU in each.
+fn assign_gpus(pod: &mut PodSpec, job: &RLJob, gpus: u32) {
+    let spec = &job.spec;
+    if spec.device != Device::Gpu || gpus == 0 {
+        return;
+    }
+    let sidecar = pod.init_containers.iter().flatten().any(|c| c.name == WORKER_CONTAINER);
+    match spec.gpus.sharing {
+        GpuSharing::DevicePlugin if !sidecar => {
+            for w in pod.containers.iter_mut().filter(|c| c.name == WORKER_CONTAINER) {
+                w.resources = with_gpus(w.resources.take(), gpus);
+            }
+        }
+        GpuSharing::DevicePlugin => {
+            let asks = |c: &Container| {
+                c.resources.as_ref().and_then(|r| r.limits.as_ref()).is_some_and(|l| l.contains_key("nvidia.com/gpu"))
+            };
+            if !pod.containers.iter().any(asks)
+                && let Some(first) = pod.containers.first_mut()
+            {
+                first.resources = with_gpus(first.resources.take(), gpus);
+            }
+            for w in pod.init_containers.iter_mut().flatten().filter(|c| c.name == WORKER_CONTAINER) {
+                set_env_default(w, "NVIDIA_VISIBLE_DEVICES", "all");
+                set_env_default(w, "NVIDIA_DRIVER_CAPABILITIES", "compute,utility");
+            }
+        }
+        GpuSharing::ResourceClaim => {
+            pod.resource_claims = Some(vec![PodResourceClaim {
+                name: GPU_CLAIM.into(),
+                resource_claim_template_name: Some(gpu_claim_template_name(
+                    job.metadata.name.as_deref().unwrap_or_default(),
+                    gpus,
+                )),
+                ..Default::default()
+            }]);
+            for c in gpu_containers(pod) {
+                let claims = c.resources.get_or_insert_with(Default::default).claims.get_or_insert_with(Vec::new);
+                claims.push(ResourceClaim { name: GPU_CLAIM.into(), request: None });
+            }
+        }
+    }
+    for c in gpu_containers(pod) {
+        set_env_default(c, "CUDA_DEVICE_ORDER", "PCI_BUS_ID");
+    }
+}
+
+/// The containers that use the pod's GPUs: the worker and every user container (the user's own
+/// init containers do not).
+fn gpu_containers(pod: &mut PodSpec) -> impl Iterator<Item = &mut Container> {
+    pod.containers.iter_mut().chain(pod.init_containers.iter_mut().flatten().filter(|c| c.name == WORKER_CONTAINER))
+}
+
+/// Sets `name` in the container's environment unless the user's spec already does.
+fn set_env_default(c: &mut Container, name: &str, value: &str) {
+    let env = c.env.get_or_insert_with(Vec::new);
+    if !env.iter().any(|e| e.name == name) {
+        env.push(EnvVar { name: name.into(), value: Some(value.into()), ..Default::default() });
+    }
 }
 
 impl Desired {
@@ -604,8 +729,6 @@ fn pod(
     if let Some(o) = overrides {
         mounts.extend(o.volume_mounts.iter().cloned());
     }
-    let gpus = entry.gpus;
-    let resources = with_gpus(resources, if spec.device == Device::Gpu && templates.is_empty() { gpus } else { 0 });
     let mut worker = Container {
         name: WORKER_CONTAINER.into(),
         image: Some(image.unwrap_or_else(|| cfg.worker_image.clone())),
@@ -736,23 +859,12 @@ fn pod(
             }
             pod_spec.image_pull_secrets = pod_spec.image_pull_secrets.or(ts.image_pull_secrets);
         }
-        // The device plugin gives GPUs per container: when no user container asks for them, the
-        // first one gets the pod's GPUs.
-        let asks_gpus = containers.iter().any(|c| {
-            c.resources.as_ref().and_then(|r| r.limits.as_ref()).is_some_and(|l| l.contains_key("nvidia.com/gpu"))
-        });
-        if spec.device == Device::Gpu
-            && gpus > 0
-            && !asks_gpus
-            && let Some(first) = containers.first_mut()
-        {
-            first.resources = with_gpus(first.resources.take(), gpus);
-        }
         pod_spec.containers = containers;
         pod_spec.init_containers = Some(init);
     }
     volumes.dedup_by(|a, b| a.name == b.name);
     pod_spec.volumes = Some(volumes);
+    assign_gpus(&mut pod_spec, job, entry.gpus);
     if pod_spec.service_account_name.is_none() {
         // The job's own account; only the coordinator reports status, so only its pod gets a
         // token. A user template that names an account keeps that account and its token rules.

@@ -10,6 +10,7 @@ use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
@@ -356,7 +357,12 @@ async fn apply_objects(client: &Client, ns: &str, d: &Desired) -> Result<(), Err
         (Api::<ServiceAccount>::namespaced(client.clone(), ns), Api::<Role>::namespaced(client.clone(), ns));
     let (services, maps) =
         (Api::<Service>::namespaced(client.clone(), ns), Api::<ConfigMap>::namespaced(client.clone(), ns));
+    let claim_templates = Api::<ResourceClaimTemplate>::namespaced(client.clone(), ns);
+    let gpu_claim_templates = futures::future::try_join_all(
+        d.gpu_claim_templates.iter().map(|t| apply(&claim_templates, "ResourceClaimTemplate", ns, t)),
+    );
     futures::try_join!(
+        gpu_claim_templates,
         apply(&accounts, "ServiceAccount", ns, &d.service_account),
         apply(&roles, "Role", ns, &d.role),
         apply(&services, "Service", ns, &d.service),

@@ -467,3 +467,48 @@ fn the_fsdp_and_vllm_deployment_renders_two_whole_node_pods_whose_containers_sha
     assert_eq!(engines.len(), 8);
     assert!(engines.iter().all(|&(pod, _, _)| pod == engines[0].0), "all four engines in one pod: {engines:?}");
 }
+
+#[test]
+fn with_resource_claim_sharing_the_worker_and_every_user_container_use_the_pods_one_claim() {
+    let mut j = job("rljob-llama3-8b-fsdp-vllm.yaml");
+    j.spec.gpus = rlplane_api::GpuSpec {
+        sharing: rlplane_api::GpuSharing::ResourceClaim,
+        device_class_name: Some("gpu.nvidia.com".into()),
+    };
+    for t in [&mut j.spec.trainer.template, &mut j.spec.generation.template].into_iter().flatten() {
+        let mut pt = t.pod_template().unwrap();
+        for c in &mut pt.spec.as_mut().unwrap().containers {
+            c.resources = None;
+        }
+        *t = serde_json::from_value(serde_json::to_value(pt).unwrap()).unwrap();
+    }
+    let d = desired(&j, 0, &cfg()).unwrap();
+    // Both pods have 8 GPUs: one template, asking the class for exactly 8 devices.
+    assert_eq!(d.gpu_claim_templates.len(), 1);
+    let t = &d.gpu_claim_templates[0];
+    assert_eq!(t.metadata.name.as_deref(), Some("llama3-8b-grpo-gpus-8"));
+    assert_eq!(t.metadata.owner_references.as_ref().unwrap()[0].name, "llama3-8b-grpo", "deleted with the job");
+    let req = &t.spec.spec.devices.as_ref().unwrap().requests.as_ref().unwrap()[0];
+    let exactly = req.exactly.as_ref().unwrap();
+    assert_eq!((exactly.device_class_name.as_str(), exactly.count), ("gpu.nvidia.com", Some(8)));
+    for pod in &d.pods {
+        let spec = pod.spec.as_ref().unwrap();
+        let claims = spec.resource_claims.as_ref().unwrap();
+        assert_eq!(claims.len(), 1);
+        assert_eq!(claims[0].resource_claim_template_name.as_deref(), Some("llama3-8b-grpo-gpus-8"));
+        let users = spec.containers.iter();
+        for c in users.chain(std::iter::once(worker(pod))) {
+            let r = c.resources.as_ref().unwrap();
+            let names: Vec<_> = r.claims.iter().flatten().map(|x| x.name.as_str()).collect();
+            assert_eq!(names, [claims[0].name.as_str()], "{}: the pod's one claim", c.name);
+            assert_eq!(gpus(c), None, "{}: no device-plugin GPUs beside the claim", c.name);
+            let order = c.env.iter().flatten().find(|e| e.name == "CUDA_DEVICE_ORDER");
+            assert_eq!(order.and_then(|e| e.value.as_deref()), Some("PCI_BUS_ID"), "{}", c.name);
+        }
+        assert!(worker(pod).env.iter().flatten().all(|e| e.name != "NVIDIA_VISIBLE_DEVICES"), "the claim, not env");
+    }
+    // The default, the device plugin: no claim, no template.
+    let plain = desired(&job("rljob-llama3-8b-fsdp-vllm.yaml"), 0, &cfg()).unwrap();
+    assert!(plain.gpu_claim_templates.is_empty());
+    assert!(plain.pods.iter().all(|p| p.spec.as_ref().unwrap().resource_claims.is_none()));
+}

@@ -80,6 +80,12 @@ class Client:
                     op="hello",
                 )
             self._info = Info.from_wire(reply)
+            if self._info.gpu is not None:
+                uuids = _visible_gpu_uuids()
+                if uuids is not None:
+                    # The sidecar opens this process's CUDA memory on its rank's GPU: both must
+                    # see that GPU (a mismatch fails the rank, saying what each side sees).
+                    self._conn.call("check_gpus", uuids=uuids)
         except BaseException:
             self._conn.close()
             raise
@@ -656,6 +662,20 @@ class Engine(Client):
         self._call("end_step", step=step_no)
         if self._open_step == step_no:
             self._open_step = None
+
+
+def _visible_gpu_uuids() -> list[str] | None:
+    """The GPUs this process sees (UUIDs, through torch), or None when torch cannot say (not
+    installed, or too old to report UUIDs)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _tag_pairs(tags: Mapping[str, str] | Sequence[tuple[str, str]], i: int) -> list[list[str]]:

@@ -243,3 +243,23 @@ def test_context_manager_says_bye_or_fails_with_the_exception(shm_dir: Path) -> 
     assert rec.ops() == ["hello"]  # the sidecar failed the rank itself: nothing to add
     with pytest.raises(rlplane.ShutdownError, match="closed"):
         t.publish(1)
+
+
+def test_a_gpu_rank_checks_that_this_process_sees_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlplane.client as rc
+
+    hello = copy.deepcopy(HELLO)
+    hello.update(device="gpu", gpu={"ordinal": 1}, transport="cuda_ipc")
+    monkeypatch.setattr(rc, "_visible_gpu_uuids", lambda: ["GPU-aa", "GPU-bb"])
+    _, rec = offline(rlplane.Trainer, hello, check_gpus={"ok": True})
+    assert rec.requests[1] == {"op": "check_gpus", "uuids": ["GPU-aa", "GPU-bb"]}
+    # The sidecar's refusal (another GPU) reaches the user as the error it names.
+    refusal = {"ok": False, "error": {"kind": "mismatch", "message": "trainer-0's GPU is GPU-cc (the worker's device 1), which the trainer process does not see"}}
+    with pytest.raises(rlplane.MismatchError, match="GPU-cc"):
+        offline(rlplane.Trainer, hello, check_gpus=refusal)
+    # Without torch (or on a CPU rank) nothing is checked.
+    monkeypatch.setattr(rc, "_visible_gpu_uuids", lambda: None)
+    _, rec = offline(rlplane.Trainer, hello)
+    assert rec.ops() == ["hello"]
+    _, rec = offline(rlplane.Trainer, HELLO)
+    assert rec.ops() == ["hello"]

@@ -105,6 +105,48 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
     })
 }
 
+/// The GPUs this process sees, in CUDA's order, by UUID (`GPU-…`, as `nvidia-smi -L` prints
+/// them): what the device plugin, a ResourceClaim or `CUDA_VISIBLE_DEVICES` gave the container.
+pub fn visible_gpus() -> Result<Vec<String>, GpuError> {
+    catch("listing the GPUs", || {
+        result::init().map_err(|e| GpuError::driver("cuInit", e))?;
+        let n = CudaContext::device_count().map_err(|e| GpuError::driver("cuDeviceGetCount", e))?;
+        (0..n)
+            .map(|i| {
+                let dev = result::device::get(i).map_err(|e| GpuError::driver(format!("cuDeviceGet({i})"), e))?;
+                let id =
+                    result::device::get_uuid(dev).map_err(|e| GpuError::driver(format!("the UUID of GPU {i}"), e))?;
+                Ok(uuid_string(&id.bytes.map(|b| b as u8)))
+            })
+            .collect()
+    })
+}
+
+/// A GPU's 16-byte UUID as `nvidia-smi` writes it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn uuid_string(bytes: &[u8; 16]) -> String {
+    let h: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// A GPU UUID in one spelling, whichever a tool printed (`GPU-` prefix or not, any case).
+pub fn normalize_uuid(id: &str) -> String {
+    let id = id.trim().to_ascii_lowercase();
+    id.strip_prefix("gpu-").unwrap_or(&id).to_string()
+}
+
+/// Why a process that needs its pod's GPU `slot` cannot have it, when it sees only `seen`
+/// (UUIDs, in CUDA's order) of the `pod_gpus` its plan gives the pod; `None` when it can.
+pub fn missing_gpu(process: &str, slot: usize, pod_gpus: u32, seen: &[String]) -> Option<String> {
+    if slot < seen.len() && seen.len() >= pod_gpus as usize {
+        return None;
+    }
+    let listed = if seen.is_empty() { "none".to_string() } else { seen.join(", ") };
+    Some(format!(
+        "{process} needs GPU {slot} of its pod's {pod_gpus} (the plan), but this worker sees {} GPU(s): {listed}. The worker must see the pod's GPUs: with spec.gpus.sharing DevicePlugin it sees the node's GPUs through NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA container toolkit must honour (accept-nvidia-visible-devices-envvar-when-unprivileged) and which are the pod's only when the pod takes the whole node; with ResourceClaim it uses the pod's claim",
+        seen.len()
+    ))
+}
+
 /// Checks that NCCL loads and returns its version code (e.g. 22809 for 2.28.9).
 pub fn nccl_version() -> Result<i32, GpuError> {
     catch("loading NCCL", || {
@@ -192,6 +234,12 @@ impl Gpu {
     /// Device ordinal.
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
+    }
+
+    /// The device's UUID (`GPU-…`).
+    pub fn uuid(&self) -> Result<String, GpuError> {
+        let id = self.ctx.uuid().map_err(|e| GpuError::driver("reading the GPU's UUID", e))?;
+        Ok(uuid_string(&id.bytes.map(|b| b as u8)))
     }
 
     /// The cudarc context.
@@ -737,4 +785,33 @@ pub unsafe fn copy2d_async(
         return Err(GpuError::msg("cuMemcpy2DAsync", format!("{r:?}")));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_are_written_as_nvidia_smi_writes_them_and_compared_in_any_spelling() {
+        let id: [u8; 16] = core::array::from_fn(|i| (i as u8) * 17);
+        let s = uuid_string(&id);
+        assert_eq!(s, "GPU-00112233-4455-6677-8899-aabbccddeeff");
+        // torch prints the same UUID without the prefix.
+        assert_eq!(normalize_uuid(&s), normalize_uuid("00112233-4455-6677-8899-AABBCCDDEEFF"));
+    }
+
+    #[test]
+    fn a_worker_that_sees_fewer_gpus_than_its_pod_has_is_told_what_it_saw_and_expected() {
+        let seen = vec!["GPU-a".to_string(), "GPU-b".to_string()];
+        assert_eq!(missing_gpu("gen-1", 1, 2, &seen), None);
+        let why = missing_gpu("gen-3", 3, 8, &seen).unwrap();
+        assert!(
+            why.starts_with("gen-3 needs GPU 3 of its pod's 8 (the plan), but this worker sees 2 GPU(s): GPU-a, GPU-b"),
+            "{why}"
+        );
+        assert!(why.contains("spec.gpus.sharing"), "{why}");
+        // Its own GPU visible is not enough: the pod's are all the worker's to open.
+        assert!(missing_gpu("gen-0", 0, 8, &seen).is_some());
+        assert!(missing_gpu("trainer-0", 0, 1, &[]).unwrap().contains("sees 0 GPU(s): none"));
+    }
 }

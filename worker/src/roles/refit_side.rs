@@ -358,8 +358,14 @@ pub fn open_gpu(plan: &WorkerPlan, me: u32, kind: Kind) -> anyhow::Result<Option
     if kind == Kind::Tcp {
         return Ok(None);
     }
-    let slot = plan.process(me).gpu.context("a GPU transport for a process without a GPU in the plan")?;
+    let p = plan.process(me);
+    let slot = p.gpu.context("a GPU transport for a process without a GPU in the plan")?;
     let ordinal = crate::gpu::physical_gpu(slot);
+    // Fail at once, naming what this worker sees, rather than at the first CUDA call.
+    let seen = crate::gpu::visible_gpus()?;
+    if let Some(why) = crate::gpu::missing_gpu(&p.name, ordinal as usize, plan.pods[p.pod as usize].gpus, &seen) {
+        anyhow::bail!(why);
+    }
     let gpu = Gpu::open(ordinal as usize)?;
     if let Ok(v) = crate::gpu::nccl_version()
         && kind == Kind::Nccl

@@ -154,6 +154,11 @@ pub enum Request {
         #[serde(default)]
         session: Option<String>,
     },
+    /// The GPUs the user's process sees (UUIDs), to check that the rank's GPU is one of them.
+    CheckGpus {
+        /// `GPU-…` UUIDs, as CUDA or nvidia-smi name them.
+        uuids: Vec<String>,
+    },
     /// Scalars about a step's learning (reward, KL, lengths…), for the job's metrics and status.
     ReportScalars {
         /// The step they belong to: the rank's current step.
@@ -247,6 +252,7 @@ pub const OPS: &[&str] = &[
     "publish",
     "checkpoint_saved",
     "report_scalars",
+    "check_gpus",
     "next_batch",
     "next_step",
     "put",

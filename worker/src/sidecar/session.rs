@@ -281,6 +281,10 @@ impl Session {
                 })?;
                 Reply::Now(json!({"ok": true}))
             }
+            Request::CheckGpus { uuids } => {
+                self.check_gpus(&uuids)?;
+                Reply::Now(json!({"ok": true}))
+            }
             Request::ReportScalars { step, values } => {
                 self.report_scalars(step, values)?;
                 Reply::Now(json!({"ok": true}))
@@ -379,6 +383,28 @@ impl Session {
                 Reply::Close(json!({"ok": true}))
             }
         })
+    }
+
+    /// Checks that the rank's GPU is one the user's process sees: the worker opens the process's
+    /// CUDA IPC handles and runs NCCL on that GPU, so both must see it. A mismatch fails the rank
+    /// at once with what each side sees.
+    fn check_gpus(&self, uuids: &[String]) -> Result<(), ApiError> {
+        let info = &self.link.info;
+        let Some(gpu) = &info.gpu else { return Ok(()) };
+        let mine = gpu.uuid().map_err(|e| ApiError::new(ErrorKind::Failed, e.to_string()))?;
+        let wanted = crate::gpu::normalize_uuid(&mine);
+        if uuids.iter().any(|u| crate::gpu::normalize_uuid(u) == wanted) {
+            return Ok(());
+        }
+        let name = &info.plan.process(info.me).name;
+        let message = format!(
+            "{name}'s GPU is {mine} (the worker's device {}), which the {} process does not see (it sees {}): the worker sidecar and the user's containers must share the pod's GPUs (spec.gpus: DevicePlugin with whole-node pods, or ResourceClaim), and the process's CUDA_VISIBLE_DEVICES must include its rank's GPU",
+            gpu.ordinal(),
+            self.role().name(),
+            if uuids.is_empty() { "no GPU".to_string() } else { uuids.join(", ") }
+        );
+        self.link.update(|s| s.user_error = Some(message.clone()));
+        Err(ApiError::new(ErrorKind::Mismatch, message))
     }
 
     /// Keeps scalars of the rank's current step for the step's report to the coordinator: a
