@@ -322,3 +322,28 @@ def test_gpu_colocated_cuda_ipc(rlplane_bin: str, tmp_path: Path, mode: str) -> 
     check_job(tmp_path, out, steps=3, ranks=1, engines=1)
     (t,) = reports(out, "trainer")
     assert t["hello"]["device"] == "gpu" and t["hello"]["transport"] == "cuda_ipc", t["hello"]
+
+
+@pytest.mark.cuda
+def test_a_process_that_cannot_see_its_ranks_gpu_fails_the_job_naming_both_sides(rlplane_bin: str,
+                                                                              tmp_path: Path) -> None:
+    """Two GPUs: the job's one pod holds GPU 0, but the trainer's process sees only GPU 1 (as a
+    container would whose GPUs are not the sidecar's). The client's check_gpus fails the rank at
+    once with both sides' GPUs, instead of a CUDA error at the first refit."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        print("SKIPPED test_a_process_that_cannot_see_its_ranks_gpu: needs 2 CUDA devices", file=sys.stderr)
+        pytest.skip("needs 2 CUDA devices")
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(2)]
+    out = tmp_path / "reports"
+    out.mkdir()
+    # `rlplane local` gives the pod's processes CUDA_VISIBLE_DEVICES=0; `env` overrides it.
+    trainer = ["env", "CUDA_VISIBLE_DEVICES=1", *trainer_cmd(1, "--report", str(out), "--torch", "--device", "cuda")]
+    m = manifest(tmp_path, trainer, py("engine.py", "--report", str(out), "--mode", "staged", "--device", "cuda"),
+                 data=1, engines=1, gpu=True, timeout_s=20)
+    p = run_local(rlplane_bin, m, tmp_path, timeout=180)
+    assert p.returncode != 0, p.stderr[-3000:]
+    assert "which the trainer process does not see" in p.stderr, p.stderr[-4000:]
+    # Both sides named: the rank's GPU (the worker's device 0) and the one the process sees.
+    assert uuids[0].removeprefix("GPU-") in p.stderr.lower() or uuids[0] in p.stderr, (uuids, p.stderr[-4000:])
+    assert uuids[1].removeprefix("GPU-") in p.stderr.lower() or uuids[1] in p.stderr, (uuids, p.stderr[-4000:])
