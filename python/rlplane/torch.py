@@ -16,17 +16,20 @@ Registering a model (:func:`register_model`):
   while registered (the client keeps references). ``publish`` waits for queued GPU work first.
   At exit PyTorch may warn "Producer process has been terminated before all shared CUDA tensors
   released": its IPC reference count is never decremented by the sidecar, which is not a torch
-  process; the warning is harmless. Allocations must not come from expandable segments
-  (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): those have no CUDA IPC handle.
+  process; the warning is harmless. Registered allocations must not come from expandable
+  segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): those are mapped with CUDA's
+  virtual memory API and have no CUDA IPC handle. A process that wants expandable segments for the
+  rest of its memory allocates what it registers inside :func:`ipc_allocations`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -48,6 +51,7 @@ __all__ = [
     "numpy_to_tensor",
     "shared_tensor",
     "cuda_ipc_descriptor",
+    "ipc_allocations",
     "describe_tensor",
     "register_model",
     "open_cuda_ipc",
@@ -195,6 +199,40 @@ def cuda_ipc_descriptor(tensor: torch.Tensor, name: str = "the tensor") -> dict[
     }
 
 
+@contextlib.contextmanager
+def ipc_allocations() -> Iterator[None]:
+    """CUDA allocations made inside come from plain ``cudaMalloc`` segments, which have CUDA IPC
+    handles, even in a process that runs PyTorch's expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``); the rest of the process keeps them.
+
+    Allocate what you register there — a trainer's parameters (or the bf16 buffers it gathers
+    them into), an engine's direct-mode destinations::
+
+        with rlplane.torch.ipc_allocations():
+            model.to("cuda")
+        rlplane.torch.register_model(trainer, model)
+
+    Memory allocated inside stays in its own segments after the block; the setting is
+    process-wide while the block runs, so other threads' allocations then come from plain
+    segments too. Without expandable segments configured it changes nothing.
+    """
+    torch = _torch()
+    conf = ",".join(os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    if not expandable:
+        yield
+        return
+    settings = torch.cuda.memory._set_allocator_settings  # noqa: SLF001 - PyTorch's only switch for it
+    with _ALLOCATOR_LOCK:
+        settings("expandable_segments:False")
+        try:
+            yield
+        finally:
+            settings("expandable_segments:True")
+
+
+_ALLOCATOR_LOCK = threading.Lock()
+
 _IPC_HANDLE_SIZE = 64
 
 
@@ -211,7 +249,8 @@ def _ipc_handle_bytes(handle: bytes, name: str) -> bytes:
     if len(handle) >= 2 and handle[1:2] == b"e":
         raise InvalidError(
             f"{name} lives in an expandable segment (PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True), whose "
-            "handles are not CUDA IPC memory handles: unset expandable_segments for this process"
+            "handles are not CUDA IPC memory handles: allocate it inside `with rlplane.torch.ipc_allocations():`, "
+            "or unset expandable_segments for this process"
         )
     raise InvalidError(f"{name}: PyTorch's CUDA IPC handle has an unknown format ({len(handle)} bytes); this torch is not supported")
 

@@ -104,3 +104,38 @@ def test_staged_cuda_ipc_buffers_become_tensors(shm_dir: Path) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+EXPANDABLE = r"""
+import json, torch
+import rlplane, rlplane.torch as rt
+out = {}
+plain = torch.ones(1 << 20, device="cuda")
+try:
+    rt.cuda_ipc_descriptor(plain, "outside")
+    out["outside"] = "ok"
+except rlplane.InvalidError as e:
+    out["outside"] = str(e)
+with rt.ipc_allocations():
+    inside = torch.full((1 << 20,), 7.0, device="cuda")
+d = rt.cuda_ipc_descriptor(inside, "inside")
+out["inside"] = {"nbytes": d["nbytes"], "handle_hex": len(d["handle"])}
+later = torch.ones(1 << 20, device="cuda")  # expandable segments again after the block
+try:
+    rt.cuda_ipc_descriptor(later, "after")
+    out["after"] = "ok"
+except rlplane.InvalidError as e:
+    out["after"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_ipc_allocations_give_handles_in_a_process_with_expandable_segments() -> None:
+    # Allocator settings are per process: a fresh one, started with expandable segments.
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    p = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "expandable segment" in out["outside"] and "ipc_allocations" in out["outside"], out
+    assert out["inside"] == {"nbytes": 4 << 20, "handle_hex": 128}, out
+    assert "expandable segment" in out["after"], out
