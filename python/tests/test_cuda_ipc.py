@@ -120,7 +120,9 @@ with rt.ipc_allocations():
     inside = torch.full((1 << 20,), 7.0, device="cuda")
 d = rt.cuda_ipc_descriptor(inside, "inside")
 out["inside"] = {"nbytes": d["nbytes"], "handle_hex": len(d["handle"])}
-later = torch.ones(1 << 20, device="cuda")  # expandable segments again after the block
+# Expandable segments again after the block (larger than what is left of the block's plain
+# segment, which the caching allocator would reuse).
+later = torch.ones(64 << 20, device="cuda")
 try:
     rt.cuda_ipc_descriptor(later, "after")
     out["after"] = "ok"
