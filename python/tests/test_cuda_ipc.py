@@ -109,25 +109,21 @@ def test_staged_cuda_ipc_buffers_become_tensors(shm_dir: Path) -> None:
 EXPANDABLE = r"""
 import json, torch
 import rlplane, rlplane.torch as rt
-out = {}
-plain = torch.ones(1 << 20, device="cuda")
-try:
-    rt.cuda_ipc_descriptor(plain, "outside")
-    out["outside"] = "ok"
-except rlplane.InvalidError as e:
-    out["outside"] = str(e)
+
+def describe(t, name):
+    try:
+        d = rt.cuda_ipc_descriptor(t, name)
+        return {"nbytes": d["nbytes"], "handle_hex": len(d["handle"])}
+    except rlplane.InvalidError as e:
+        return str(e)
+
+out = {"outside": describe(torch.ones(1 << 20, device="cuda"), "outside")}
 with rt.ipc_allocations():
     inside = torch.full((1 << 20,), 7.0, device="cuda")
-d = rt.cuda_ipc_descriptor(inside, "inside")
-out["inside"] = {"nbytes": d["nbytes"], "handle_hex": len(d["handle"])}
+out["inside"] = describe(inside, "inside")
 # Expandable segments again after the block (larger than what is left of the block's plain
 # segment, which the caching allocator would reuse).
-later = torch.ones(64 << 20, device="cuda")
-try:
-    rt.cuda_ipc_descriptor(later, "after")
-    out["after"] = "ok"
-except rlplane.InvalidError as e:
-    out["after"] = str(e)
+out["after"] = describe(torch.ones(64 << 20, device="cuda"), "after")
 print(json.dumps(out))
 """
 
