@@ -80,7 +80,9 @@ class Client:
                     op="hello",
                 )
             self._info = Info.from_wire(reply)
-            if self._info.gpu is not None:
+            # A rollouts session (an engine's driver) touches no GPU memory: nothing to check,
+            # and no CUDA initialised in a process that may fork its workers afterwards.
+            if self._info.gpu is not None and session != "rollouts":
                 uuids = _visible_gpu_uuids()
                 if uuids is not None:
                     # The sidecar opens this process's CUDA memory on its rank's GPU: both must

@@ -15,7 +15,7 @@ import rlplane
 from rlplane.dtypes import f32_to_bf16
 
 from .conftest import HELLO
-from .recorder import offline
+from .recorder import Recorder, offline
 
 
 def engine_hello() -> dict:
@@ -262,4 +262,10 @@ def test_a_gpu_rank_checks_that_this_process_sees_its_gpu(monkeypatch: pytest.Mo
     _, rec = offline(rlplane.Trainer, hello)
     assert rec.ops() == ["hello"]
     _, rec = offline(rlplane.Trainer, HELLO)
+    assert rec.ops() == ["hello"]
+    # An engine's driver (rollouts session) holds no GPU memory: not checked either.
+    monkeypatch.setattr(rc, "_visible_gpu_uuids", lambda: ["GPU-aa"])
+    engine = rlplane.Engine.__new__(rlplane.Engine)
+    rec = Recorder({"hello": {**hello, "rank": {**hello["rank"], "role": "engine"}}})
+    engine._attach(rec, "rollouts")
     assert rec.ops() == ["hello"]
