@@ -1010,6 +1010,16 @@ pub struct RLJobStatus {
     pub resumed_from: Option<CheckpointRef>,
 }
 
+impl RLJobStatus {
+    /// The status without the fields the coordinator owns under its own field manager
+    /// (`step`, `lastRefit`, `stall`, `checkpoint`, `scalars`): the part the operator writes and
+    /// compares. An operator apply that carried one of them would co-own it, and the
+    /// coordinator's next apply of it would conflict.
+    pub fn operator_part(&self) -> RLJobStatus {
+        RLJobStatus { step: None, last_refit: None, stall: None, checkpoint: None, scalars: None, ..self.clone() }
+    }
+}
+
 /// A step's scalars in the status.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct StepScalars {

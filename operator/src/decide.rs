@@ -109,16 +109,10 @@ impl Decision {
     }
 }
 
-/// The operator's part of a status: `step`, `lastRefit`, `stall` and `checkpoint` belong to the
-/// coordinator (its own field manager), so they are never part of what the operator writes or
-/// compares.
+/// The operator's part of a status ([`RLJobStatus::operator_part`]): the coordinator's fields
+/// are never part of what the operator writes or compares.
 pub fn operator_status(status: Option<&RLJobStatus>) -> RLJobStatus {
-    let mut st = status.cloned().unwrap_or_default();
-    st.step = None;
-    st.last_refit = None;
-    st.stall = None;
-    st.checkpoint = None;
-    st
+    status.map(RLJobStatus::operator_part).unwrap_or_default()
 }
 
 /// Decides what to do for `job`, given the pods that carry its label (pods it does not control

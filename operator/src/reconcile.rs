@@ -309,17 +309,14 @@ async fn create_failed(job: &RLJob, ctx: &Context, error: Error) -> Error {
     error
 }
 
-/// Server-side applies the operator's part of the status. `step`, `lastRefit` and `checkpoint`
-/// are never in it (they belong to the coordinator's field manager); fields the operator stops
-/// sending (e.g. startTime on suspend) are removed by the apply because the operator owned them.
+/// Server-side applies the operator's part of the status ([`RLJobStatus::operator_part`]: the
+/// coordinator's fields are never in it); fields the operator stops sending (e.g. startTime on
+/// suspend) are removed by the apply because the operator owned them.
 pub async fn write_status(client: &Client, job: &RLJob, status: &RLJobStatus) -> Result<(), Error> {
     let ns = job.namespace().ok_or(Error::MissingMetadata("metadata.namespace"))?;
     let name = job.name_any();
     let api: Api<RLJob> = Api::namespaced(client.clone(), &ns);
-    let mut status = status.clone();
-    status.step = None;
-    status.last_refit = None;
-    status.checkpoint = None;
+    let status = status.operator_part();
     let patch = serde_json::json!({
         "apiVersion": RLJob::api_version(&()),
         "kind": RLJob::kind(&()),

@@ -75,9 +75,9 @@ impl Sim {
                 }
                 Step::WriteStatus(st) => {
                     assert_eq!(
-                        (st.step, &st.last_refit, &st.checkpoint),
-                        (None, &None, &None),
-                        "the operator never writes the coordinator's step, lastRefit, checkpoint"
+                        (st.step, &st.last_refit, &st.checkpoint, &st.scalars, &st.stall),
+                        (None, &None, &None, &None, &None),
+                        "the operator never writes the coordinator's step, lastRefit, checkpoint, scalars, stall"
                     );
                     // As a server-side apply under its own field manager: the coordinator's
                     // fields stay.
@@ -86,6 +86,8 @@ impl Sim {
                         step: old.step,
                         last_refit: old.last_refit,
                         checkpoint: old.checkpoint,
+                        scalars: old.scalars,
+                        stall: old.stall,
                         ..(**st).clone()
                     });
                 }
@@ -929,13 +931,16 @@ fn the_coordinators_fields_are_never_part_of_the_operators_status() {
     j.status = Some(RLJobStatus {
         step: Some(3),
         last_refit: Some(LastRefit { version: 3, seconds: 0.5, bytes: 10, summary: "v3 0.50s".into() }),
+        scalars: Some(rlplane_api::StepScalars { step: 3, values: [("kl".to_string(), 0.01)].into() }),
         ..Default::default()
     });
     let d = decide(&j, &[], t(0), &cfg());
     let st = d.status().unwrap();
-    assert_eq!((st.step, &st.last_refit), (None, &None));
+    assert_eq!((st.step, &st.last_refit, &st.scalars), (None, &None, &None));
     let json = serde_json::to_value(st).unwrap();
-    assert!(json.get("step").is_none() && json.get("lastRefit").is_none(), "{json}");
+    for field in ["step", "lastRefit", "scalars", "stall", "checkpoint"] {
+        assert!(json.get(field).is_none(), "{field} is the coordinator's: {json}");
+    }
 }
 
 #[test]
