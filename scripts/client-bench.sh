@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refit through the Python client against `rlplane bench refit` for the same bytes, in one run
 # (docs/benchmarks.md, "Through the Python client").
-# Usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo] [split] [grpo-split]
+# Usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo] [split] [grpo-split] [sharded]
 #   BIN: the release rlplane binary. python must import torch and numpy; the client is taken
 #   from ./python (PYTHONPATH) when it is not installed.
 #   gpu:  Llama-3-8B-sized tensors, colocated on GPU 0 (CUDA IPC)  vs  bench refit --colocated
@@ -9,8 +9,10 @@
 #   grpo: examples/tiny-grpo colocated on GPU 0, checked against its CUDA reference loop
 #   split: Llama-3-8B-sized tensors, trainer on GPU 0, engine on GPU 1 (NCCL)  vs  bench refit --transport nccl
 #   grpo-split: examples/tiny-grpo with the trainer and the engine on two GPUs (NCCL)
+#   sharded: 4 GPUs: a TP-2 trainer's two ranks register their shards, two engines (NCCL)
+#            vs  bench refit --source sharded --tp 2 --receivers 2
 set -u
-bin=$(realpath "${1:?usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo] [split] [grpo-split]}")
+bin=$(realpath "${1:?usage: scripts/client-bench.sh BIN [gpu] [cpu] [grpo] [split] [grpo-split] [sharded]}")
 shift
 what=${*:-gpu cpu}
 cd "$(dirname "$0")/.."
@@ -74,4 +76,13 @@ fi
 if [[ " $what " == *" grpo-split "* ]]; then
   echo "=== tiny-grpo on two GPUs (NCCL)"
   grpo_vs_reference examples/tiny-grpo/rljob-gpu-split.yaml grpo-split
+fi
+if [[ " $what " == *" sharded "* ]]; then
+  echo "=== 4 GPUs: client refit of Llama-3-8B-sized torch tensors from a TP-2 trainer to 2 engines (NCCL)"
+  timeout 300 "$bin" local bench/client/rljob-sharded-8b.yaml > "$out/client-sharded.log" 2>&1; echo "rc=$?"
+  grep -h '"summary"' "$out/client-sharded.log" | tail -2
+  tail -4 "$out/client-sharded.log"
+  echo "=== 4 GPUs: rlplane bench refit --source sharded --tp 2 --receivers 2, same bytes, same run"
+  timeout 200 "$bin" bench refit --transport nccl --source sharded --tp 2 --receivers 2 --model llama3-8b \
+    --bucket-bytes 1073741824 --buffers 2 --iters 10 2>&1 | tee "$out/bench-sharded.log" | tail -14
 fi

@@ -44,21 +44,27 @@ def fill(ts: dict[str, torch.Tensor], version: int) -> None:
         t.view(torch.uint8).fill_(version % 251)
 
 
+def device_of(client: rlplane.Client) -> str:
+    """The rank's device: on GPUs, the pod's GPU of its local index (a pod's processes see the
+    pod's GPUs as CUDA devices 0, 1, …)."""
+    return f"cuda:{client.info.rank.local}" if client.info.device == "gpu" else "cpu"
+
+
 def trainer() -> None:
     with rlplane.Trainer() as t:
-        device = "cuda" if t.info.device == "gpu" else "cpu"
+        device = device_of(t)
         ts = tensors(t, device)
         t0 = time.perf_counter()
         reg = t.register(ts)
         register_s = time.perf_counter() - t0
         fill(ts, 0)
-        if device == "cuda":
+        if device != "cpu":
             torch.cuda.synchronize()
         t.publish(0)
         rows = []
         for batch in t.batches():
             fill(ts, batch.step)
-            if device == "cuda":
+            if device != "cpu":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             r = t.publish(batch.step)
@@ -91,7 +97,7 @@ def trainer() -> None:
 
 def engine() -> None:
     with rlplane.Engine() as e:
-        device = "cuda" if e.info.device == "gpu" else "cpu"
+        device = device_of(e)
         ts = tensors(e, device)
         e.register(ts)
         first = next(iter(ts.values()))
