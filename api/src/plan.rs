@@ -260,6 +260,9 @@ pub struct Layout {
     pub cp: u32,
     /// Trainer data-parallel size.
     pub dp: u32,
+    /// Data-parallel ranks that shard each parameter between them (`parallelism.fsdp`; 1: none).
+    #[serde(default = "fsdp_default")]
+    pub fsdp: u32,
     /// Trainer ranks.
     pub trainer_world: u32,
     /// Trainer GPUs per pod.
@@ -586,6 +589,10 @@ pub fn parse_job_key(text: &str) -> Result<[u8; JOB_KEY_LEN], String> {
         }
     }
     Ok(key)
+}
+
+fn fsdp_default() -> u32 {
+    1
 }
 
 #[cfg(test)]

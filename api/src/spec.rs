@@ -258,8 +258,9 @@ impl ModelSpec {
 }
 
 /// Parallel layout of the trainer. The product must equal `nodes × gpusPerNode`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.fsdp) || self.data % self.fsdp == 0").message("spec.trainer.parallelism.fsdp: must divide data (each shard group is fsdp consecutive data-parallel ranks; data / fsdp groups replicate each other)"))]
 pub struct Parallelism {
     /// Tensor-parallel size: ranks that split each layer.
     #[serde(default = "one")]
@@ -277,11 +278,20 @@ pub struct Parallelism {
     #[serde(default = "one")]
     #[schemars(range(min = 1, max = 4096))]
     pub data: u32,
+    /// Fully-sharded data parallelism (FSDP2, ZeRO-3): how many consecutive data-parallel ranks
+    /// shard each parameter between them along dimension 0, in `torch.chunk` pieces (rank *f* of a
+    /// shard group holds rows `[f·⌈n/fsdp⌉, (f+1)·⌈n/fsdp⌉)` of its tensor-parallel shard). 1 (the
+    /// default): every data-parallel rank holds its whole shard. `data` for FSDP, a divisor of it
+    /// for hybrid sharding (HSDP: `data / fsdp` replicas). With `refit.source: Sharded` every rank
+    /// of the first shard group sends its own rows, so no rank ever holds a gathered copy.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub fsdp: u32,
 }
 
 impl Default for Parallelism {
     fn default() -> Self {
-        Parallelism { tensor: 1, pipeline: 1, context: 1, data: 1 }
+        Parallelism { tensor: 1, pipeline: 1, context: 1, data: 1, fsdp: 1 }
     }
 }
 
@@ -1031,6 +1041,9 @@ pub struct StepScalars {
 
 fn one() -> u32 {
     1
+}
+fn is_one(v: &u32) -> bool {
+    *v == 1
 }
 fn default_num_buffers() -> u32 {
     2

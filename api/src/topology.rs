@@ -154,15 +154,20 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
         let pp = r / (p.tensor * p.context * p.data);
         TrainerCoords { rank: r, tp, pp, cp, dp, leader: tp == 0 && cp == 0 && pp == 0 }
     };
-    let senders_of_replica = |dp: u32| -> Vec<u32> {
+    // A replica is one shard group: `fsdp` consecutive data-parallel ranks that together hold
+    // every parameter once (one rank when the trainer does not shard over data).
+    let senders_of_replica = |replica: u32| -> Vec<u32> {
         let mut v = Vec::new();
         for pp in 0..p.pipeline {
-            for tp in 0..p.tensor {
-                v.push(tp + p.tensor * (p.context * (dp + p.data * pp)));
+            for dp in replica * p.fsdp..(replica + 1) * p.fsdp {
+                for tp in 0..p.tensor {
+                    v.push(tp + p.tensor * (p.context * (dp + p.data * pp)));
+                }
             }
         }
         v
     };
+    let replicas = p.data / p.fsdp;
     let global_senders: Vec<u32> = match spec.refit.source {
         RefitSource::Sharded => senders_of_replica(0),
         RefitSource::Gathered => vec![0],
@@ -173,7 +178,7 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
         && spec.refit.source == RefitSource::Sharded
     {
         (0..t.nodes)
-            .map(|pod| (0..p.data).map(senders_of_replica).find(|ranks| ranks.iter().all(|&r| trainer_pod(r) == pod)))
+            .map(|pod| (0..replicas).map(senders_of_replica).find(|ranks| ranks.iter().all(|&r| trainer_pod(r) == pod)))
             .collect()
     } else {
         None
@@ -345,6 +350,7 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
             pp: p.pipeline,
             cp: p.context,
             dp: p.data,
+            fsdp: p.fsdp,
             trainer_world,
             trainer_gpus_per_pod: gpn,
             engines: g.engines,

@@ -136,6 +136,16 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     c.range("spec.trainer.parallelism.pipeline", p.pipeline, 1, 64);
     c.range("spec.trainer.parallelism.context", p.context, 1, 64);
     c.range("spec.trainer.parallelism.data", p.data, 1, 4096);
+    c.range("spec.trainer.parallelism.fsdp", p.fsdp, 1, 4096);
+    if p.fsdp >= 1 && !p.data.is_multiple_of(p.fsdp) {
+        c.err(
+            "spec.trainer.parallelism.fsdp",
+            format!(
+                "{} does not divide data = {}; each shard group is fsdp consecutive data-parallel ranks, so use a divisor of data (data itself for FSDP)",
+                p.fsdp, p.data
+            ),
+        );
+    }
     let trainer_gpus = t.nodes as u64 * t.gpus_per_node as u64;
     if p.product() != trainer_gpus {
         c.err(

@@ -18,6 +18,7 @@ struct L {
     pp: u32,
     cp: u32,
     dp: u32,
+    fsdp: u32,
     engines: u32,
     gen_tp: u32,
     gen_gpn: Option<u32>,
@@ -36,14 +37,20 @@ fn layouts() -> Vec<L> {
         pp,
         cp,
         dp,
+        fsdp: 1,
         engines,
         gen_tp,
         gen_gpn,
         dedicated,
         source,
     };
+    let fsdp = |l: L, fsdp: u32| L { fsdp, ..l };
     vec![
         l(Split, 1, 2, (1, 1, 1, 2), 2, 1, None, None, Sharded),
+        fsdp(l(Split, 1, 4, (1, 1, 1, 4), 2, 1, None, None, Sharded), 4),
+        fsdp(l(Split, 2, 4, (2, 1, 1, 4), 2, 2, None, None, Sharded), 2),
+        fsdp(l(Colocated, 2, 4, (1, 1, 1, 8), 8, 1, None, None, Sharded), 4),
+        fsdp(l(Colocated, 1, 4, (2, 1, 1, 2), 2, 2, None, None, Sharded), 2),
         l(Split, 1, 8, (2, 1, 1, 4), 16, 1, Some(8), None, Sharded),
         l(Split, 2, 8, (4, 2, 1, 2), 4, 4, Some(8), Some(2), Sharded),
         l(Split, 4, 4, (2, 2, 2, 2), 3, 2, Some(2), None, Gathered),
@@ -65,6 +72,7 @@ fn spec_of(l: L) -> RLJobSpec {
     let mut spec: RLJobSpec = serde_saphyr::from_str(&yaml).unwrap();
     spec.generation.gpus_per_node = l.gen_gpn;
     spec.refit.source = l.source;
+    spec.trainer.parallelism.fsdp = l.fsdp;
     if let Some(s) = l.dedicated {
         spec.transfer_queue.placement = TqPlacement::Dedicated;
         spec.transfer_queue.storage_units = s;
@@ -201,14 +209,16 @@ fn refit_senders_cover_each_shard_once_per_group() {
             match l.source {
                 RefitSource::Gathered => assert_eq!(shards, vec![(0, 0, 0, 0)], "{l:?}"),
                 RefitSource::Sharded => {
-                    let tp_pp: HashSet<(u32, u32)> = shards.iter().map(|s| (s.0, s.1)).collect();
-                    assert_eq!(tp_pp.len() as u32, l.tp * l.pp, "{l:?}");
-                    assert_eq!(shards.len() as u32, l.tp * l.pp, "{l:?}");
+                    // One whole shard group: every (tp, pp) of fsdp consecutive data-parallel ranks.
+                    let cells: HashSet<(u32, u32, u32)> = shards.iter().map(|s| (s.0, s.1, s.3 % l.fsdp)).collect();
+                    assert_eq!(cells.len() as u32, l.tp * l.pp * l.fsdp, "{l:?}");
+                    assert_eq!(shards.len() as u32, l.tp * l.pp * l.fsdp, "{l:?}");
                     assert!(shards.iter().all(|s| s.2 == 0), "context-parallel replicas do not send");
-                    let dps: HashSet<u32> = shards.iter().map(|s| s.3).collect();
-                    assert_eq!(dps.len(), 1, "one replica per group");
+                    let groups: HashSet<u32> = shards.iter().map(|s| s.3 / l.fsdp).collect();
+                    assert_eq!(groups.len(), 1, "one replica (shard group) per refit group");
                 }
             }
+            assert_eq!(p.layout.fsdp, l.fsdp);
             if l.mode == Mode::Colocated && g.name.starts_with("refit-pod") {
                 let pods: HashSet<u32> = g.senders.iter().chain(&g.receivers).map(|&i| p.process(i).pod).collect();
                 assert_eq!(pods.len(), 1, "a per-pod group stays in its pod");
@@ -330,4 +340,27 @@ fn an_invalid_spec_yields_every_error() {
     let a = ClusterAddressing { job: "job".into(), namespace: "ns".into() };
     let e = build_plan(&spec, &id(0), &a).unwrap_err();
     assert_eq!(e.0.len(), 2, "{e}");
+}
+
+#[test]
+fn hybrid_sharded_colocated_pods_refit_from_their_own_shard_group() {
+    // HSDP: 2 pods × 4 GPUs, data 8 in shard groups of 4, one per pod: each pod's four ranks
+    // together hold the model once and refit their own pod's engines.
+    let l = layouts().into_iter().find(|l| l.mode == Mode::Colocated && l.fsdp == 4).unwrap();
+    let p = plan_of(l);
+    let names: Vec<&str> = p.refit_groups.iter().map(|g| g.name.as_str()).collect();
+    assert_eq!(names, ["refit-pod0", "refit-pod1"]);
+    for (pod, g) in p.refit_groups.iter().enumerate() {
+        let dps: Vec<u32> = g
+            .senders
+            .iter()
+            .map(|&s| match p.process(s).role {
+                ProcessRole::Trainer(c) => c.dp,
+                _ => unreachable!(),
+            })
+            .collect();
+        let first = pod as u32 * 4;
+        assert_eq!(dps, (first..first + 4).collect::<Vec<_>>());
+        assert_eq!(g.receivers.len(), 4);
+    }
 }

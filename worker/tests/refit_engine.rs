@@ -162,8 +162,7 @@ async fn a_dropped_refit_aborts_its_transport_and_the_next_one_says_reconnect() 
 async fn a_sender_with_nothing_to_send_still_completes_the_refit() {
     // Only a replicated tensor: tensor-parallel rank 1 sends nothing but still takes part.
     let m = vec![TensorSpec::with_split("norm", DType::F32, vec![64], TpSplit::Replicated)];
-    let plan =
-        Arc::new(RefitPlan::sharded(&m, 4096, 64, ShardCoords { tp: 1, tp_size: 2, pp: 0, pp_size: 1 }).unwrap());
+    let plan = Arc::new(RefitPlan::sharded(&m, 4096, 64, ShardCoords::tensor_parallel(1, 2, 0, 1)).unwrap());
     assert_eq!(plan.buckets().len(), 0);
     let (root, receivers) = connect(&plan, 2).await;
     let mut sender = RefitSender::new(plan.clone(), root, config(Duration::from_secs(5))).unwrap();

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use rlplane::bench::refit::{fill_tensor, shard_of};
-use rlplane::refit::plan::{RefitPlan, SenderLayout, ShardCoords};
+use rlplane::refit::plan::{RefitPlan, SenderLayout, ShardCoords, shard_shape};
 use rlplane_api::model::{DType, ModelPreset, TensorSpec, TpSplit, pipeline_stages};
 
 fn dtype() -> impl Strategy<Value = DType> {
@@ -105,9 +105,14 @@ fn simulate(
         let shards: Vec<Vec<u8>> = manifest
             .iter()
             .enumerate()
-            .map(|(i, t)| match plan.tensors()[i].source_bytes {
-                Some(_) => shard_of(t, &full[i], *tp, *tp_size),
-                None => Vec::new(),
+            .map(|(i, t)| match (plan.tensors()[i].source_bytes, plan.layout()) {
+                (Some(_), SenderLayout::Sharded(c)) if c.fsdp_size > 1 => {
+                    let shard = shard_of(t, &full[i], *tp, *tp_size);
+                    let rows = tp_shard_rows(t, *tp, *tp_size);
+                    torch_chunk(&shard, rows, c.fsdp, c.fsdp_size)
+                }
+                (Some(_), _) => shard_of(t, &full[i], *tp, *tp_size),
+                (None, _) => Vec::new(),
             })
             .collect();
         for (i, t) in plan.tensors().iter().enumerate() {
@@ -138,6 +143,25 @@ fn simulate(
         }
     }
     Ok((dest, writes))
+}
+
+/// Dimension 0 of tensor-parallel rank `tp`'s shard of `t` (Megatron's balanced split).
+fn tp_shard_rows(t: &TensorSpec, tp: u32, tp_size: u32) -> u64 {
+    let n = t.shape[0];
+    match t.effective_split() {
+        TpSplit::Replicated => n,
+        TpSplit::Columns if t.shape.len() >= 2 => n,
+        _ => n * (tp as u64 + 1) / tp_size as u64 - n * tp as u64 / tp_size as u64,
+    }
+}
+
+/// `torch.chunk(shard, parts, dim=0)[i]` of a contiguous shard of `rows` rows (empty past the end).
+fn torch_chunk(shard: &[u8], rows: u64, i: u32, parts: u32) -> Vec<u8> {
+    let row = shard.len() / rows as usize;
+    let size = rows.div_ceil(parts as u64) as usize;
+    let start = (size * i as usize).min(rows as usize);
+    let end = (start + size).min(rows as usize);
+    shard[start * row..end * row].to_vec()
 }
 
 fn random_tensors(manifest: &[TensorSpec], seed: u64) -> Vec<Vec<u8>> {
@@ -177,7 +201,7 @@ proptest! {
         let mut plans = Vec::new();
         for pp in 0..pp_size {
             for tp in 0..tp_size {
-                let c = ShardCoords { tp, tp_size, pp, pp_size };
+                let c = ShardCoords::tensor_parallel(tp, tp_size, pp, pp_size);
                 let plan = RefitPlan::sharded(&m, bucket, align, c).unwrap();
                 check_layout(&plan, &m)?;
                 prop_assert_eq!(plan.layout(), SenderLayout::Sharded(c));
@@ -201,8 +225,41 @@ proptest! {
     }
 
     #[test]
+    fn fully_sharded_plans_together_rebuild_every_tensor(
+        m in manifest(),
+        (bucket, align) in settings(),
+        tp_size in 1u32..=3,
+        pp_size in 1u32..=2,
+        fsdp_size in 2u32..=5,
+        seed in any::<u64>(),
+    ) {
+        let mut plans = Vec::new();
+        for pp in 0..pp_size {
+            for fsdp in 0..fsdp_size {
+                for tp in 0..tp_size {
+                    let c = ShardCoords::tensor_parallel(tp, tp_size, pp, pp_size).fully_sharded(fsdp, fsdp_size);
+                    let plan = RefitPlan::sharded(&m, bucket, align, c).unwrap();
+                    check_layout(&plan, &m)?;
+                    // What the sidecar asks a rank to register is what its plan sends.
+                    let stages = pipeline_stages(&m, pp_size);
+                    for ((t, e), &stage) in m.iter().zip(plan.tensors()).zip(&stages) {
+                        let shape = shard_shape(t, c).filter(|_| stage == pp);
+                        let elem = t.dtype.size_bytes();
+                        prop_assert_eq!(shape.map(|s| s.iter().product::<u64>() * elem), e.source_bytes);
+                    }
+                    plans.push((plan, tp, tp_size));
+                }
+            }
+        }
+        let full = random_tensors(&m, seed);
+        let (dest, writes) = simulate(&m, &plans, &full)?;
+        prop_assert!(writes.iter().flatten().all(|&c| c == 1), "the union covers every byte exactly once");
+        prop_assert_eq!(dest, full);
+    }
+
+    #[test]
     fn identical_inputs_give_identical_plans(m in manifest(), (bucket, align) in settings(), tp in 0u32..3) {
-        let c = ShardCoords { tp, tp_size: 3, pp: 0, pp_size: 1 };
+        let c = ShardCoords::tensor_parallel(tp, 3, 0, 1);
         let a = RefitPlan::sharded(&m, bucket, align, c).unwrap();
         let b = RefitPlan::sharded(&m.clone(), bucket, align, c).unwrap();
         prop_assert_eq!(a.hash(), b.hash());
@@ -236,7 +293,7 @@ proptest! {
             },
             6 => { m2.push(TensorSpec::new("extra", DType::U8, vec![1])); }
             7 => m2[i].shape.push(1),
-            _ => layout = SenderLayout::Sharded(ShardCoords { tp: 0, tp_size: 1, pp: 0, pp_size: 1 }),
+            _ => layout = SenderLayout::Sharded(ShardCoords::tensor_parallel(0, 1, 0, 1)),
         }
         let changed = RefitPlan::build(&m2, bucket2, align2, layout).unwrap().hash();
         prop_assert_ne!(base, changed, "change {} did not change the hash", which);
@@ -264,7 +321,7 @@ fn presets_shard_and_chunk_at_scale() {
             let mut per_tensor: Vec<Vec<(u64, u64)>> = vec![Vec::new(); m.len()];
             for pp in 0..pp_size {
                 for tp in 0..tp_size {
-                    let c = ShardCoords { tp, tp_size, pp, pp_size };
+                    let c = ShardCoords::tensor_parallel(tp, tp_size, pp, pp_size);
                     let plan = RefitPlan::sharded(&m, 256 << 20, 256, c).unwrap();
                     for b in plan.buckets() {
                         assert!(b.used_bytes <= 256 << 20);

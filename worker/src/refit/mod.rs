@@ -17,7 +17,7 @@ pub mod verify;
 use std::sync::Arc;
 
 use rlplane_api::RefitTransport;
-use rlplane_api::plan::{ProcessRole, RefitGroup, WorkerPlan};
+use rlplane_api::plan::{ProcessRole, RefitGroup, TrainerCoords, WorkerPlan};
 use rlplane_api::spec::RefitSource;
 use tokio::time::Instant;
 
@@ -76,6 +76,13 @@ pub fn bucket_bytes(plan: &WorkerPlan) -> Result<u64, PlanError> {
     })
 }
 
+/// Where trainer rank `coords` sits in the sharded grid: its tensor-parallel shard of its
+/// pipeline stage, and its rows of that shard when the trainer shards over data (`fsdp`).
+pub fn shard_coords(wp: &WorkerPlan, coords: &TrainerCoords) -> ShardCoords {
+    let l = &wp.layout;
+    ShardCoords::tensor_parallel(coords.tp, l.tp, coords.pp, l.pp).fully_sharded(coords.dp % l.fsdp, l.fsdp)
+}
+
 /// The plan of `sender`'s stream: the whole manifest for a gathered refit, the sender's
 /// tensor-parallel slice of its pipeline stage for a sharded one.
 pub fn sender_plan(wp: &WorkerPlan, sender: u32) -> Result<RefitPlan, PlanError> {
@@ -94,8 +101,7 @@ pub fn sender_plan(wp: &WorkerPlan, sender: u32) -> Result<RefitPlan, PlanError>
                     });
                 }
             };
-            let shard = ShardCoords { tp: coords.tp, tp_size: wp.layout.tp, pp: coords.pp, pp_size: wp.layout.pp };
-            RefitPlan::sharded(&manifest, bucket, align, shard)
+            RefitPlan::sharded(&manifest, bucket, align, shard_coords(wp, &coords))
         }
     }
 }

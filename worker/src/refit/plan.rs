@@ -24,18 +24,20 @@ use rlplane_api::model::{TensorSpec, TpSplit, pipeline_stages};
 
 /// Version of the packing algorithm and of the hash's encoding. Bump it on any change to either,
 /// so that ranks running different builds refuse each other at the handshake.
-pub const PLAN_FORMAT_VERSION: u32 = 1;
+pub const PLAN_FORMAT_VERSION: u32 = 2;
 
 /// Where a sender's bytes come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SenderLayout {
     /// The sender holds every tensor whole (a gathered trainer rank 0).
     Full,
-    /// The sender holds one tensor-parallel shard of the tensors of one pipeline stage.
+    /// The sender holds one tensor-parallel shard of the tensors of one pipeline stage, or its
+    /// fully-sharded (FSDP) rows of that shard.
     Sharded(ShardCoords),
 }
 
-/// A sharded sender's coordinates in the trainer's tensor- and pipeline-parallel grid.
+/// A sharded sender's coordinates in the trainer's tensor-, pipeline- and fully-sharded
+/// data-parallel grid.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ShardCoords {
     /// Tensor-parallel index, `< tp_size`.
@@ -46,6 +48,22 @@ pub struct ShardCoords {
     pub pp: u32,
     /// Pipeline-parallel size.
     pub pp_size: u32,
+    /// Index in the fully-sharded data-parallel group, `< fsdp_size`.
+    pub fsdp: u32,
+    /// Fully-sharded data-parallel size (1: the sender holds its tensor-parallel shard whole).
+    pub fsdp_size: u32,
+}
+
+impl ShardCoords {
+    /// Tensor-parallel rank `tp` of `tp_size` in stage `pp` of `pp_size`, holding its shard whole.
+    pub fn tensor_parallel(tp: u32, tp_size: u32, pp: u32, pp_size: u32) -> ShardCoords {
+        ShardCoords { tp, tp_size, pp, pp_size, fsdp: 0, fsdp_size: 1 }
+    }
+
+    /// The same sender holding only its rows `fsdp` of `fsdp_size` of each tensor-parallel shard.
+    pub fn fully_sharded(self, fsdp: u32, fsdp_size: u32) -> ShardCoords {
+        ShardCoords { fsdp, fsdp_size, ..self }
+    }
 }
 
 /// One 2-D copy of the plan: `rows` rows of `width` bytes.
@@ -255,6 +273,10 @@ impl RefitPlan {
     /// `Replicated` tensors: sent whole by `tp = 0` only. Uneven splits give rank `t` the range
     /// `[n·t/tp, n·(t+1)/tp)`, so the union over all ranks covers each byte exactly once. The
     /// source shard is stored contiguously in its own slice layout (rows × slice width).
+    ///
+    /// A fully-sharded sender (`fsdp_size > 1`) then holds only its `torch.chunk` piece of that
+    /// slice's dimension 0, as FSDP2 does: chunks of `⌈n/fsdp_size⌉` rows, so the last ranks may
+    /// hold fewer rows or none.
     pub fn sharded(
         manifest: &[TensorSpec],
         bucket_bytes: u64,
@@ -418,6 +440,15 @@ fn check_settings(bucket_bytes: u64, align_bytes: u64, layout: SenderLayout) -> 
                 ),
             });
         }
+        if c.fsdp_size == 0 || c.fsdp >= c.fsdp_size {
+            return Err(PlanError::Setting {
+                field: "trainer.parallelism.fsdp",
+                message: format!(
+                    "sender fully-sharded index {} is not below the size {}; rebuild the plan",
+                    c.fsdp, c.fsdp_size
+                ),
+            });
+        }
         if c.pp_size == 0 || c.pp >= c.pp_size {
             return Err(PlanError::Setting {
                 field: "trainer.parallelism.pipeline",
@@ -466,12 +497,21 @@ fn split_range(n: u64, t: u32, tp: u32) -> (u64, u64) {
     (start, end)
 }
 
-/// The shape of tensor-parallel rank `c.tp`'s shard of `t` (the pipeline stage aside), as
-/// [`RefitPlan::sharded`] slices it: `None` where the rank holds none of it.
+/// `torch.chunk(n, parts)[i]`: chunks of `⌈n/parts⌉`, the last ones shorter or empty.
+fn chunk_range(n: u64, i: u32, parts: u32) -> (u64, u64) {
+    let size = n.div_ceil(parts as u64);
+    let start = (size * i as u64).min(n);
+    (start, (start + size).min(n))
+}
+
+/// The shape of sender `c`'s shard of `t` (the pipeline stage aside), as [`RefitPlan::sharded`]
+/// slices it: `None` where the sender holds none of it (a replicated tensor off `tp = 0`, or an
+/// empty fully-sharded chunk).
 pub fn shard_shape(t: &TensorSpec, c: ShardCoords) -> Option<Vec<u64>> {
     let mut shape = t.shape.clone();
     match t.effective_split() {
-        TpSplit::Replicated => return (c.tp == 0).then_some(shape),
+        TpSplit::Replicated if c.tp != 0 => return None,
+        TpSplit::Replicated => {}
         TpSplit::Columns if shape.len() >= 2 => {
             let (c0, c1) = split_range(shape[1], c.tp, c.tp_size);
             shape[1] = c1 - c0;
@@ -481,30 +521,49 @@ pub fn shard_shape(t: &TensorSpec, c: ShardCoords) -> Option<Vec<u64>> {
             shape[0] = r1 - r0;
         }
     }
-    Some(shape)
+    let (f0, f1) = chunk_range(shape[0], c.fsdp, c.fsdp_size);
+    shape[0] = f1 - f0;
+    (shape[0] > 0).then_some(shape)
 }
 
 fn shard_slice(t: &TensorSpec, c: ShardCoords) -> Option<Slice> {
     let bytes = t.size_bytes();
     let elem = t.dtype.size_bytes();
+    let outer = t.shape[0];
+    let row_bytes = bytes / outer;
     match t.effective_split() {
-        TpSplit::Replicated => (c.tp == 0).then(|| full_slice(t)),
+        TpSplit::Replicated if c.tp != 0 => None,
         TpSplit::Columns if t.shape.len() >= 2 => {
-            let rows = t.shape[0];
             let cols = t.shape[1];
             let unit = t.shape[2..].iter().product::<u64>() * elem;
-            let row_bytes = cols * unit;
             let (c0, c1) = split_range(cols, c.tp, c.tp_size);
+            let (f0, f1) = chunk_range(outer, c.fsdp, c.fsdp_size);
             let width = (c1 - c0) * unit;
-            Some(Slice { rows, width, src_offset: 0, src_pitch: width, dst_offset: c0 * unit, dst_pitch: row_bytes })
+            (f1 > f0).then_some(Slice {
+                rows: f1 - f0,
+                width,
+                src_offset: 0,
+                src_pitch: width,
+                dst_offset: f0 * row_bytes + c0 * unit,
+                dst_pitch: row_bytes,
+            })
         }
-        TpSplit::Rows | TpSplit::Columns => {
-            // Dimension 0 split: one contiguous byte range of the full tensor.
-            let outer = t.shape[0];
-            let unit = bytes / outer;
-            let (r0, r1) = split_range(outer, c.tp, c.tp_size);
-            let len = (r1 - r0) * unit;
-            Some(Slice { rows: 1, width: len, src_offset: 0, src_pitch: len, dst_offset: r0 * unit, dst_pitch: len })
+        split => {
+            // Dimension 0 split (or none): one contiguous byte range of the full tensor.
+            let (r0, r1) = match split {
+                TpSplit::Replicated => (0, outer),
+                _ => split_range(outer, c.tp, c.tp_size),
+            };
+            let (f0, f1) = chunk_range(r1 - r0, c.fsdp, c.fsdp_size);
+            let len = (f1 - f0) * row_bytes;
+            (len > 0).then_some(Slice {
+                rows: 1,
+                width: len,
+                src_offset: 0,
+                src_pitch: len,
+                dst_offset: (r0 + f0) * row_bytes,
+                dst_pitch: len,
+            })
         }
     }
 }
@@ -647,7 +706,7 @@ fn plan_hash(manifest: &[TensorSpec], bucket_bytes: u64, align_bytes: u64, layou
         SenderLayout::Full => put(&[0]),
         SenderLayout::Sharded(c) => {
             put(&[1]);
-            for v in [c.tp, c.tp_size, c.pp, c.pp_size] {
+            for v in [c.tp, c.tp_size, c.pp, c.pp_size, c.fsdp, c.fsdp_size] {
                 put(&v.to_le_bytes());
             }
         }
@@ -691,12 +750,58 @@ mod tests {
     #[test]
     fn columns_shards_are_strided_in_the_destination() {
         let m = vec![TensorSpec::with_split("o", DType::Bf16, vec![4, 8], TpSplit::Columns)];
-        let c = ShardCoords { tp: 1, tp_size: 2, pp: 0, pp_size: 1 };
+        let c = ShardCoords::tensor_parallel(1, 2, 0, 1);
         let p = RefitPlan::sharded(&m, 1 << 20, 64, c).unwrap();
         let s = p.segments()[0];
         assert_eq!((s.rows, s.width, s.src_pitch, s.dst_offset, s.dst_pitch), (4, 8, 8, 8, 16));
         assert!(s.src_contiguous() && !s.dst_contiguous());
         assert_eq!(p.tensors()[0].source_bytes, Some(32));
+    }
+
+    #[test]
+    fn fully_sharded_senders_hold_torch_chunk_rows() {
+        // torch.chunk: 5 rows in 3 → 2, 2, 1; 5 in 4 → 2, 2, 1, none; a Columns tensor is
+        // chunked along its rows, inside the tensor-parallel column slice.
+        let m = vec![
+            TensorSpec::new("w", DType::F32, vec![5, 2]),
+            TensorSpec::new("b", DType::F32, vec![3]),
+            TensorSpec::with_split("o", DType::Bf16, vec![5, 4], TpSplit::Columns),
+        ];
+        let rows = |fsdp_size: u32, tp: u32, tp_size: u32| -> Vec<Vec<Option<Vec<u64>>>> {
+            (0..fsdp_size)
+                .map(|f| {
+                    let c = ShardCoords::tensor_parallel(tp, tp_size, 0, 1).fully_sharded(f, fsdp_size);
+                    m.iter().map(|t| shard_shape(t, c)).collect()
+                })
+                .collect()
+        };
+        let s = |v: &[u64]| Some(v.to_vec());
+        assert_eq!(
+            rows(3, 0, 1),
+            vec![
+                vec![s(&[2, 2]), s(&[1]), s(&[2, 4])],
+                vec![s(&[2, 2]), s(&[1]), s(&[2, 4])],
+                vec![s(&[1, 2]), s(&[1]), s(&[1, 4])],
+            ]
+        );
+        assert_eq!(rows(4, 0, 1)[3], vec![None, None, None]);
+        assert_eq!(rows(4, 0, 1)[2], vec![s(&[1, 2]), s(&[1]), s(&[1, 4])]);
+        // Under tensor parallelism 2 (`w`: rows 2..5 on tp 1; `o`: columns 2..4): rows of the shard.
+        assert_eq!(rows(2, 1, 2), vec![vec![s(&[2, 2]), None, s(&[3, 2])], vec![s(&[1, 2]), None, s(&[2, 2])]]);
+        let c = ShardCoords::tensor_parallel(1, 2, 0, 1).fully_sharded(1, 2);
+        let p = RefitPlan::sharded(&m, 1 << 20, 1, c).unwrap();
+        let by_tensor = |i: u32| *p.segments().iter().find(|s| s.tensor == i).unwrap();
+        // `w` rows 2..5 of tp 1, then its chunk 1: row 4 (16 bytes at byte 32).
+        let w = by_tensor(0);
+        assert_eq!((w.rows, w.width, w.dst_offset), (1, 8, 32));
+        // `o` rows 3..5 (chunk 1 of 5 rows in 2), columns 2..4: 2 rows of 4 bytes at pitch 8.
+        let o = by_tensor(2);
+        assert_eq!((o.rows, o.width, o.dst_offset, o.dst_pitch), (2, 4, 3 * 8 + 4, 8));
+        // Another fully-sharded index is another plan.
+        let whole = RefitPlan::sharded(&m, 1 << 20, 1, ShardCoords::tensor_parallel(1, 2, 0, 1)).unwrap();
+        assert_ne!(whole.hash(), p.hash());
+        let e = RefitPlan::sharded(&m, 4096, 1, c.fully_sharded(2, 2)).unwrap_err();
+        assert!(e.to_string().contains("parallelism.fsdp"), "{e}");
     }
 
     #[test]
@@ -706,7 +811,7 @@ mod tests {
         assert!(e.to_string().contains("spec.refit.alignBytes"), "{e}");
         let e = RefitPlan::new(&m, 0, 1).unwrap_err();
         assert!(e.to_string().contains("spec.refit.bufferBytes"), "{e}");
-        let e = RefitPlan::sharded(&m, 4096, 1, ShardCoords { tp: 2, tp_size: 2, pp: 0, pp_size: 1 }).unwrap_err();
+        let e = RefitPlan::sharded(&m, 4096, 1, ShardCoords::tensor_parallel(2, 2, 0, 1)).unwrap_err();
         assert!(e.to_string().contains("parallelism.tensor"), "{e}");
     }
 

@@ -23,7 +23,7 @@ use crate::digest::Digest;
 use crate::metrics::RankMetrics;
 use crate::net::JobAuth;
 use crate::refit::TransportKind as Kind;
-use crate::refit::{self, RefitPlan, SenderLayout, ShardCoords};
+use crate::refit::{self, RefitPlan, SenderLayout};
 use crate::sidecar::{self, Link, RankInfo};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
@@ -92,7 +92,7 @@ pub async fn run(
             &plan.manifest(),
             refit::bucket_bytes(plan)?,
             plan.refit.align_bytes,
-            ShardCoords { tp: coords.tp, tp_size: plan.layout.tp, pp: coords.pp, pp_size: plan.layout.pp },
+            refit::shard_coords(plan, &coords),
         )?,
     };
     let user = if plan.user_processes.trainer {
