@@ -35,8 +35,9 @@ def _opt_int(v: Any) -> int | None:
 class RankInfo:
     """This rank, as the sidecar knows it (``rank`` in the hello reply).
 
-    ``dp``, ``tp``, ``pp`` (a trainer rank's data-, tensor- and pipeline-parallel coordinates) are
-    None on an engine rank; ``engine`` and ``engine_rank`` (its engine and its tensor-parallel rank
+    ``dp``, ``tp``, ``pp`` (a trainer rank's data-, tensor- and pipeline-parallel coordinates) and
+    ``fsdp`` of ``fsdp_size`` (its index in its fully-sharded group, ``dp % fsdp_size``; size 1
+    when the trainer does not shard over data) are None on an engine rank; ``engine`` and ``engine_rank`` (its engine and its tensor-parallel rank
     in it) are None on a trainer rank. ``local`` is the rank's index among its pod's ranks of the
     same role (what names its socket).
     """
@@ -47,6 +48,8 @@ class RankInfo:
     dp: int | None
     tp: int | None
     pp: int | None
+    fsdp: int | None
+    fsdp_size: int | None
     leader: bool
     engine: int | None
     engine_rank: int | None
@@ -64,6 +67,8 @@ class RankInfo:
             dp=_opt_int(d.get("dp")),
             tp=_opt_int(d.get("tp")),
             pp=_opt_int(d.get("pp")),
+            fsdp=_opt_int(d.get("fsdp")),
+            fsdp_size=_opt_int(d.get("fsdp_size")),
             leader=bool(d.get("leader", False)),
             engine=_opt_int(d.get("engine")),
             engine_rank=_opt_int(d.get("engine_rank")),

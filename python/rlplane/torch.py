@@ -291,6 +291,32 @@ def _named_tensors(model_or_named: Any) -> tuple[dict[str, Any], set[str]]:
     return dict(model_or_named), set()
 
 
+def _dtensor_type() -> Any:
+    """torch's DTensor class, or None where torch.distributed is not built in."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def _local_shards(named: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """Each DTensor (FSDP2, tensor parallel) replaced by its local shard, which is what this rank
+    holds and registers in place; and the names that were DTensors."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return named, set()
+    out: dict[str, Any] = {}
+    distributed: set[str] = set()
+    for n, v in named.items():
+        if isinstance(v, dtensor):
+            out[n] = v.to_local()
+            distributed.add(n)
+        else:
+            out[n] = v
+    return out, distributed
+
+
 def _listing(names: list[str], limit: int = 20) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", … ({len(names)} in all)" if len(names) > limit else "")
@@ -314,17 +340,32 @@ def register_model(
     CPU tensors are moved into shared memory (``p.data = shared``, keeping ``Parameter``
     identity); CUDA tensors are described by CUDA IPC handles and must be contiguous.
 
+    **Distributed tensors** (FSDP2's ``fully_shard``, tensor parallelism through DTensor): each
+    rank registers its local shard (``to_local()``) in place, which must be the rows the job's
+    layout gives it (``spec.trainer.parallelism.fsdp``: ``torch.chunk`` rows of dimension 0, the
+    rank's ``info.rank.fsdp`` of ``fsdp_size``). A rank whose chunk of a tensor is empty leaves it
+    out. CUDA shards are registered where FSDP keeps them; a CPU shard must already lie in the
+    client's shared memory (``DTensor.from_local`` over :func:`shared_tensor`), since a DTensor's
+    storage cannot be moved from outside.
+
     Raises:
         MismatchError: missing, extra (strict) or differently-shaped/typed tensors, all listed.
-        InvalidError: a non-contiguous CUDA tensor (named), a tensor on another device.
+        InvalidError: a non-contiguous CUDA tensor (named), a tensor on another device, a CPU
+            DTensor shard outside shared memory.
     """
     t = _torch()
     named, buffers = _named_tensors(model_or_named_tensors)
+    named, distributed = _local_shards(named)
     name_map = dict(name_map or {})
     specs = client.info.weights_by_name
     model_name = {n: name_map.get(n, n) for n in named}
     # Buffers (rotary tables, masks) are registered only when the job's model names them.
     named = {n: v for n, v in named.items() if n not in buffers or model_name[n] in specs}
+    # An empty fully-sharded chunk: the rank holds none of the tensor (torch.chunk's last ranks).
+    named = {
+        n: v for n, v in named.items()
+        if not (n in distributed and v.numel() == 0 and model_name[n] in specs and specs[model_name[n]].shard_shape is None)
+    }
     extra = sorted(n for n in named if model_name[n] not in specs or specs[model_name[n]].shard_shape is None)
     present = {model_name[n] for n in named}
     missing = sorted(s.name for s in client.info.weights if s.shard_shape is not None and s.name not in present)
@@ -357,6 +398,12 @@ def register_model(
             nbytes = v.numel() * v.element_size()
             if v.is_contiguous() and arena.locate_address(v.data_ptr(), nbytes) is not None:
                 continue  # already shared (e.g. the second name of tied weights)
+            if n in distributed:
+                raise InvalidError(
+                    f"tensor `{n}` is a DTensor whose CPU shard lies outside this client's shared memory, and a "
+                    "DTensor's storage cannot be moved from outside: build it with DTensor.from_local(local, mesh, "
+                    "placements) over local = rlplane.torch.shared_tensor(client, name, dtype, shard_shape), or train on CUDA"
+                )
             spec = specs[model_name[n]]
             shared = shared_tensor(client, spec.name, spec.dtype, tuple(v.shape))
             with t.no_grad():

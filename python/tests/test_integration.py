@@ -42,7 +42,8 @@ def rlplane_bin() -> str:
 def manifest(tmp: Path, trainer_cmd: list[str], engine_cmd: list[str], *, steps: int = 3, data: int = 2,
              engines: int = 2, name: str = "py-client", gpu: bool = False, tensor: int = 1,
              tensors: list[dict[str, Any]] | None = None, timeout_s: int = 30, source: str = "Sharded",
-             checkpoint_every: int = 0, gen_tp: int = 1, gen_gpus_per_node: int | None = None) -> Path:
+             checkpoint_every: int = 0, gen_tp: int = 1, gen_gpus_per_node: int | None = None,
+             fsdp: int = 1) -> Path:
     """An RLJob running the given user commands: `tensor`-way tensor-parallel trainer ranks per
     data-parallel shard, the tiny preset or the explicit `tensors` (spec.model.tensors entries),
     `timeout_s` the bound on each step's commands (spec.refit.timeoutSeconds)."""
@@ -63,7 +64,7 @@ spec:
   trainer:
     nodes: 1
     gpusPerNode: {data * tensor}
-    parallelism: {{tensor: {tensor}, pipeline: 1, context: 1, data: {data}}}
+    parallelism: {{tensor: {tensor}, pipeline: 1, context: 1, data: {data}, fsdp: {fsdp}}}
     template:
 {container("train", trainer_cmd)}  generation:
     engines: {engines}

@@ -35,11 +35,34 @@ def check(views: dict, weights: list, version: int) -> list[str]:
     return bad
 
 
+class CudaViews(dict):
+    """The engine's weights as CUDA tensors refit writes in place; reading one gives its bytes as
+    a host numpy array of exact.full()'s dtype."""
+
+    def __init__(self, e: rlplane.Engine, weights: list) -> None:
+        import torch
+
+        from rlplane.torch import register_model, torch_dtype
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # colocated: local rank = GPU slot
+        self.tensors = {w.name: torch.zeros(w.shape, dtype=torch_dtype(w.dtype), device="cuda") for w in weights}
+        register_model(e, self.tensors)
+        self.dtypes = {w.name: full(0, 0, w.dtype, (1,)).dtype for w in weights}
+        super().__init__({n: None for n in self.tensors})
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        import torch
+
+        raw = self.tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy()
+        return raw.view(self.dtypes[name]).reshape(self.tensors[name].shape)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", required=True)
     ap.add_argument("--die-at", type=int, default=None)
     ap.add_argument("--die-code", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cuda: register CUDA tensors (direct mode), read back to check")
     args = ap.parse_args()
     report: dict = {"steps": []}
 
@@ -52,8 +75,11 @@ def main() -> int:
         report["rank"] = info.rank.name
         report["hello"] = info.raw
         weights = list(info.weights)
-        views = {w.name: e.alloc(w.name) for w in weights}
-        e.register(views)
+        if args.device == "cuda":
+            views = CudaViews(e, weights)
+        else:
+            views = {w.name: e.alloc(w.name) for w in weights}
+            e.register(views)
         for step in e.steps():
             vi = e.wait_version(step.version or 0, timeout=30)
             entry: dict = {"step": step.step, "version": step.version, "held": vi.version,

@@ -143,6 +143,11 @@ impl RankInfo {
     /// The `hello` reply.
     fn hello(&self) -> Value {
         let p = self.plan.process(self.me);
+        // A trainer rank's index in its fully-sharded group (what its FSDP mesh must call it).
+        let fsdp = match p.role {
+            ProcessRole::Trainer(c) => Some(c.dp % self.plan.layout.fsdp),
+            _ => None,
+        };
         let (rank, dp, tp, pp, leader, engine, engine_rank, producer) = match p.role {
             ProcessRole::Trainer(c) => (c.rank, Some(c.dp), Some(c.tp), Some(c.pp), c.leader, None, None, false),
             ProcessRole::Generation(c) => {
@@ -167,6 +172,7 @@ impl RankInfo {
             "ok": true,
             "protocol": protocol::PROTOCOL_VERSION,
             "rank": {"name": p.name, "role": self.role.name(), "rank": rank, "dp": dp, "tp": tp, "pp": pp,
+                     "fsdp": fsdp, "fsdp_size": fsdp.map(|_| self.plan.layout.fsdp),
                      "leader": leader, "engine": engine, "engine_rank": engine_rank, "producer": producer,
                      "local": role_local_index(&self.plan, self.me)},
             "job": {"name": self.plan.job.name, "namespace": self.plan.job.namespace, "epoch": self.plan.job.epoch,
