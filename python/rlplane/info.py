@@ -146,23 +146,29 @@ class WeightSpec:
         shape: the full tensor's shape.
         shard_shape: what this rank holds (a trainer's tensor-/pipeline-parallel shard, the full
             tensor on an engine), or None where this rank holds none of it.
+        shard_offset: where that part starts in the full tensor, along each dimension (a
+            DTensor's global offset); None where this rank holds none of it, or from a sidecar
+            that does not say.
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     shard_shape: tuple[int, ...] | None
+    shard_offset: tuple[int, ...] | None = None
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> WeightSpec:
         """Parses one entry of the hello reply's ``weights``."""
         w = "hello reply's weights entry"
         shard = d.get("shard_shape")
+        offset = d.get("shard_offset")
         return cls(
             name=str(_need(d, "name", w)),
             dtype=str(_need(d, "dtype", w)),
             shape=tuple(int(x) for x in _need(d, "shape", w)),
             shard_shape=None if shard is None else tuple(int(x) for x in shard),
+            shard_offset=None if offset is None else tuple(int(x) for x in offset),
         )
 
     @property

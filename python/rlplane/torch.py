@@ -300,21 +300,36 @@ def _dtensor_type() -> Any:
     return DTensor
 
 
-def _local_shards(named: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+def _local_shards(named: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[int, ...] | None]]:
     """Each DTensor (FSDP2, tensor parallel) replaced by its local shard, which is what this rank
-    holds and registers in place; and the names that were DTensors."""
+    holds and registers in place; and, for each name that was a DTensor, where torch says its
+    shard starts in the full tensor (None where torch cannot say it as one box)."""
     dtensor = _dtensor_type()
     if dtensor is None:
-        return named, set()
+        return named, {}
     out: dict[str, Any] = {}
-    distributed: set[str] = set()
+    offsets: dict[str, tuple[int, ...] | None] = {}
     for n, v in named.items():
         if isinstance(v, dtensor):
             out[n] = v.to_local()
-            distributed.add(n)
+            offsets[n] = _global_offset(v)
         else:
             out[n] = v
-    return out, distributed
+    return out, offsets
+
+
+def _global_offset(v: Any) -> tuple[int, ...] | None:
+    """The DTensor's local shard's first element in the full tensor, by torch's own rule; None
+    for placements that are not one box per rank (FSDP2's strided shards over tensor parallelism)
+    or a torch that does not expose the rule."""
+    if any(type(p).__name__ not in ("Shard", "Replicate") for p in v.placements):
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return None
+    _, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    return tuple(int(x) for x in offset)
 
 
 def _listing(names: list[str], limit: int = 20) -> str:
@@ -385,6 +400,13 @@ def register_model(
             problems.append(
                 f"`{n}`" + (f" (model `{spec.name}`)" if spec.name != n else "")
                 + f": {have} {list(v.shape)}, the model has {spec.dtype} {list(spec.shard_shape or ())}"
+            )
+        elif distributed.get(n) is not None and spec.shard_offset is not None and distributed[n] != spec.shard_offset:
+            problems.append(
+                f"`{n}`: this rank's DTensor shard starts at {list(distributed[n] or ())} of the full tensor, the "
+                f"job's layout gives this rank the part from {list(spec.shard_offset)}: build the device mesh over "
+                "the ranks in rlplane's order (info.rank.tp, then fsdp = dp % fsdp_size), or the engines would get "
+                "rows in the wrong place"
             )
     if problems:
         raise MismatchError(

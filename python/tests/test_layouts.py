@@ -96,6 +96,23 @@ def test_a_fully_sharded_trainer_registers_its_dtensor_shards_and_engines_hold_t
     assert total == sum(x["shape"][0] * (x["shape"][1] if len(x["shape"]) > 1 else 1) for x in model)
 
 
+def test_a_device_mesh_in_another_rank_order_is_refused_naming_both_offsets(rlplane_bin: str,
+                                                                          tmp_path: Path) -> None:
+    """Even rows, so every shard has the shape the job expects: only the offsets tell that the
+    mesh gives rank 0 the rows the job gives rank 1. register_model refuses it, instead of
+    engines holding rows in the wrong place."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    model = [{"name": "w.weight", "dtype": "f32", "shape": [4, 2]}]
+    m = manifest(tmp_path, trainer(2, tmp_path, out, "fsdp", model, "--wrong-mesh"),
+                 launch(1, "exact_engine.py", "--report", str(out)),
+                 steps=1, data=2, fsdp=2, engines=1, tensors=model, name="py-fsdp-mesh", timeout_s=15)
+    p = run_local(rlplane_bin, m, tmp_path, timeout=120)
+    assert p.returncode != 0, p.stderr[-3000:]
+    assert "`w.weight`: this rank's DTensor shard starts at [2, 0] of the full tensor, the job's layout gives " \
+        "this rank the part from [0, 0]" in p.stderr, p.stderr[-4000:]
+
+
 @pytest.mark.cuda
 def test_fsdp2_on_two_gpus_refits_every_ranks_shard_in_place(rlplane_bin: str, tmp_path: Path) -> None:
     """Two GPUs, colocated: a real FSDP2 module (fully_shard over NCCL) whose ranks register the

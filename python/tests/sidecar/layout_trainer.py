@@ -40,14 +40,17 @@ def as_tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr)).view(torch_dtype(dtype))
 
 
-def fsdp_mesh(info: Any, device: str) -> Any:
-    """The trainer's (tp, fsdp) mesh over ranks `tp + T·dp` (one shard group: data == fsdp)."""
+def fsdp_mesh(info: Any, device: str, reversed_fsdp: bool = False) -> Any:
+    """The trainer's (tp, fsdp) mesh over ranks `tp + T·dp` (one shard group: data == fsdp); with
+    `reversed_fsdp`, the fully-sharded dimension in the opposite order (a mesh built wrong)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size()
     fsdp = info.rank.fsdp_size or 1
     ranks = torch.arange(world).reshape(fsdp, world // fsdp).T  # mesh[t][f] = t + T·f
-    return DeviceMesh(device, ranks, mesh_dim_names=("tp", "fsdp"))
+    if reversed_fsdp:
+        ranks = ranks.flip(1)
+    return DeviceMesh(device, ranks.contiguous(), mesh_dim_names=("tp", "fsdp"))
 
 
 def placements(spec: dict[str, Any]) -> list[Any]:
@@ -78,6 +81,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--world", type=int, required=True, help="trainer ranks")
     ap.add_argument("--groups", type=int, default=2, help="--fused: the model's query groups")
+    ap.add_argument("--wrong-mesh", action="store_true", help="--fsdp on the CPU: the mesh's fsdp order reversed")
     args = ap.parse_args()
     model = json.loads(args.model)
     report: dict = {"publish": [], "checked": []}
@@ -91,7 +95,11 @@ def main() -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, init_method=args.init, rank=info.rank.rank, world_size=args.world)
         if args.mode == "fsdp":
-            step = run_fsdp(t, info, model, args.device, report)
+            try:
+                step = run_fsdp(t, info, model, args.device, report, args.wrong_mesh)
+            except rlplane.MismatchError as e:
+                print(f"layout_trainer.py: {e}", file=sys.stderr, flush=True)
+                raise
         else:
             step = run_fused(t, info, args.world, args.groups, report)
         report["done"] = step
@@ -101,10 +109,11 @@ def main() -> int:
     return 0
 
 
-def run_fsdp(t: rlplane.Trainer, info: Any, model: list[dict[str, Any]], device: str, report: dict) -> bool:
+def run_fsdp(t: rlplane.Trainer, info: Any, model: list[dict[str, Any]], device: str, report: dict,
+             wrong_mesh: bool = False) -> bool:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    mesh = fsdp_mesh(info, device) if device == "cpu" else None
+    mesh = fsdp_mesh(info, device, wrong_mesh) if device == "cpu" else None
     specs = {w.name: w for w in info.weights}
     names = [m["name"] for m in model]
     tp_shapes = {m["name"]: _tp_shape(m, info) for m in model}

@@ -508,22 +508,35 @@ fn chunk_range(n: u64, i: u32, parts: u32) -> (u64, u64) {
 /// slices it: `None` where the sender holds none of it (a replicated tensor off `tp = 0`, or an
 /// empty fully-sharded chunk).
 pub fn shard_shape(t: &TensorSpec, c: ShardCoords) -> Option<Vec<u64>> {
+    shard_box(t, c).map(|(_, shape)| shape)
+}
+
+/// Where sender `c`'s shard of `t` starts in the full tensor: the index of its first element
+/// along each dimension (what a DTensor calls its global offset); `None` as for [`shard_shape`].
+pub fn shard_offset(t: &TensorSpec, c: ShardCoords) -> Option<Vec<u64>> {
+    shard_box(t, c).map(|(offset, _)| offset)
+}
+
+/// (offset, shape) of sender `c`'s shard of `t`: a box of the full tensor.
+fn shard_box(t: &TensorSpec, c: ShardCoords) -> Option<(Vec<u64>, Vec<u64>)> {
     let mut shape = t.shape.clone();
+    let mut offset = vec![0; shape.len()];
     match t.effective_split() {
         TpSplit::Replicated if c.tp != 0 => return None,
         TpSplit::Replicated => {}
         TpSplit::Columns if shape.len() >= 2 => {
             let (c0, c1) = split_range(shape[1], c.tp, c.tp_size);
-            shape[1] = c1 - c0;
+            (offset[1], shape[1]) = (c0, c1 - c0);
         }
         TpSplit::Rows | TpSplit::Columns => {
             let (r0, r1) = split_range(shape[0], c.tp, c.tp_size);
-            shape[0] = r1 - r0;
+            (offset[0], shape[0]) = (r0, r1 - r0);
         }
     }
     let (f0, f1) = chunk_range(shape[0], c.fsdp, c.fsdp_size);
+    offset[0] += f0;
     shape[0] = f1 - f0;
-    (shape[0] > 0).then_some(shape)
+    (shape[0] > 0).then_some((offset, shape))
 }
 
 fn shard_slice(t: &TensorSpec, c: ShardCoords) -> Option<Slice> {
@@ -797,6 +810,11 @@ mod tests {
         // `o` rows 3..5 (chunk 1 of 5 rows in 2), columns 2..4: 2 rows of 4 bytes at pitch 8.
         let o = by_tensor(2);
         assert_eq!((o.rows, o.width, o.dst_offset, o.dst_pitch), (2, 4, 3 * 8 + 4, 8));
+        // Where those parts start in the full tensors (a DTensor's global offset).
+        assert_eq!(
+            m.iter().map(|t| shard_offset(t, c)).collect::<Vec<_>>(),
+            vec![Some(vec![4, 0]), None, Some(vec![3, 2])]
+        );
         // Another fully-sharded index is another plan.
         let whole = RefitPlan::sharded(&m, 1 << 20, 1, ShardCoords::tensor_parallel(1, 2, 0, 1)).unwrap();
         assert_ne!(whole.hash(), p.hash());

@@ -78,6 +78,7 @@ pub async fn run(
             kind,
             gpu: gpu.clone(),
             expected: plan.manifest().iter().map(|t| Some(t.shape.clone())).collect(),
+            offsets: plan.manifest().iter().map(|t| Some(vec![0; t.shape.len()])).collect(),
             shm_dir: sidecar::shm_dir(),
             tq: tq.clone(),
         })?)

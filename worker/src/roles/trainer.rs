@@ -97,17 +97,21 @@ pub async fn run(
     };
     let user = if plan.user_processes.trainer {
         let manifest = plan.manifest();
-        let expected = manifest
+        // Each tensor's part this rank holds: (shape, offset in the full tensor).
+        let (expected, offsets) = manifest
             .iter()
             .zip(shard_plan.tensors())
             .map(|(t, e)| {
                 e.source_bytes?;
                 match shard_plan.layout() {
-                    SenderLayout::Full => Some(t.shape.clone()),
-                    SenderLayout::Sharded(c) => refit::plan::shard_shape(t, c),
+                    SenderLayout::Full => Some((t.shape.clone(), vec![0; t.shape.len()])),
+                    SenderLayout::Sharded(c) => {
+                        Some((refit::plan::shard_shape(t, c)?, refit::plan::shard_offset(t, c)?))
+                    }
                 }
             })
-            .collect();
+            .map(|b| b.map_or((None, None), |(s, o)| (Some(s), Some(o))))
+            .unzip();
         Some(Link::start(RankInfo {
             plan: std::sync::Arc::new(plan.clone()),
             me,
@@ -115,6 +119,7 @@ pub async fn run(
             kind,
             gpu: gpu.clone(),
             expected,
+            offsets,
             shm_dir: sidecar::shm_dir(),
             tq: None,
         })?)

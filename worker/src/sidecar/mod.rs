@@ -113,6 +113,8 @@ pub struct RankInfo {
     pub gpu: Option<Gpu>,
     /// The shape this rank holds of each of the model's tensors (`None`: none of it).
     pub expected: Vec<Option<Vec<u64>>>,
+    /// Where that part starts in the full tensor, along each dimension (`None`: none of it).
+    pub offsets: Vec<Option<Vec<u64>>>,
     /// Where this rank's shared-memory files go.
     pub shm_dir: PathBuf,
     /// Engine producers: the transfer-queue client that puts into the local storage unit.
@@ -159,11 +161,14 @@ impl RankInfo {
             .plan
             .manifest()
             .iter()
-            .zip(&self.expected)
-            .map(|(t, e)| {
+            .zip(self.expected.iter().zip(&self.offsets))
+            .map(|(t, (e, o))| {
                 let mut v = json!({"name": t.name, "dtype": t.dtype.as_str(), "shape": t.shape});
                 if let Some(s) = e {
                     v["shard_shape"] = json!(s);
+                }
+                if let Some(o) = o {
+                    v["shard_offset"] = json!(o);
                 }
                 v
             })
