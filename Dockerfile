@@ -50,7 +50,7 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,id=rlplane-cargo-registry,target=/usr/local/cargo/registry \
     --mount=type=cache,id=rlplane-target,target=/src/target \
-    cargo build --release --locked \
+    cargo build --release --locked --no-default-features \
         -p rlplane --bin rlplane \
         -p rlplane-operator --bin rlplane-operator \
     && install -D -m 0755 target/release/rlplane /out/rlplane \

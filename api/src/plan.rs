@@ -15,6 +15,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::spec::PodRole;
 use crate::spec::{Device, Mode, ModelSpec, ObservabilitySpec, RefitSpec, TransferQueueSpec, WorkloadSpec};
 
 /// Version of the plan format. A worker refuses a plan of any other version. Version 2 added
@@ -56,28 +57,6 @@ pub struct JobRef {
     /// proves possession of. In a cluster it is the Secret [`job_key_secret_name`] mounted at
     /// [`POD_KEY_FILE`]; `rlplane local` writes a fresh random key into its scratch directory.
     pub key_file: String,
-}
-
-/// The kind of pod.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum PodRole {
-    /// Trainer pod (in Colocated mode it also runs generation; pod 0 also runs the coordinator).
-    Trainer,
-    /// Generation pod (Split mode).
-    Generation,
-    /// Dedicated transfer-queue storage pod.
-    Storage,
-}
-
-impl PodRole {
-    /// Name segment used in pod names and labels (`trainer`, `gen`, `tq`).
-    pub fn short(self) -> &'static str {
-        match self {
-            PodRole::Trainer => "trainer",
-            PodRole::Generation => "gen",
-            PodRole::Storage => "tq",
-        }
-    }
 }
 
 /// One pod of the job.

@@ -171,8 +171,7 @@ pub struct CheckpointRef {
 impl RLJobSpec {
     /// The user templates whose containers run in a pod of `role`: the trainer's in trainer pods
     /// (with the generation's too in Colocated mode), the generation's in generation pods.
-    pub fn user_templates(&self, role: crate::plan::PodRole) -> Vec<&UserTemplate> {
-        use crate::plan::PodRole;
+    pub fn user_templates(&self, role: PodRole) -> Vec<&UserTemplate> {
         match role {
             PodRole::Trainer => {
                 let mut t: Vec<&UserTemplate> = self.trainer.template.iter().collect();
@@ -253,6 +252,28 @@ impl ModelSpec {
             (Some(p), _) => p.tensors(),
             (None, Some(t)) => t.clone(),
             (None, None) => Vec::new(),
+        }
+    }
+}
+
+/// The kind of pod a job runs (the plan lists them; the operator renders them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PodRole {
+    /// Trainer pod (in Colocated mode it also runs generation; pod 0 also runs the coordinator).
+    Trainer,
+    /// Generation pod (Split mode).
+    Generation,
+    /// Dedicated transfer-queue storage pod.
+    Storage,
+}
+
+impl PodRole {
+    /// Name segment used in pod names and labels (`trainer`, `gen`, `tq`).
+    pub fn short(self) -> &'static str {
+        match self {
+            PodRole::Trainer => "trainer",
+            PodRole::Generation => "gen",
+            PodRole::Storage => "tq",
         }
     }
 }

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use rlplane::tq::codec::{decode, decode_message_bytes, decode_offsets, encode_message_bytes};
+use rlplane_tq::codec::{decode, decode_message_bytes, decode_offsets, encode_message_bytes};
 
 fuzz_target!(|data: &[u8]| {
     let _ = decode(data);

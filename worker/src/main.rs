@@ -23,9 +23,11 @@ enum Command {
         manifest: std::path::PathBuf,
     },
     /// Benchmarks (refit, transfer queue).
+    #[cfg(feature = "bench")]
     #[command(subcommand)]
     Bench(rlplane::bench::BenchCommand),
     /// Internal: a peer process spawned by a benchmark or test.
+    #[cfg(feature = "bench")]
     #[command(subcommand, hide = true)]
     Peer(rlplane::bench::PeerCommand),
 }
@@ -40,13 +42,20 @@ fn main() -> ExitCode {
         _ => rlplane::telemetry::Settings::from_env("rlplane"),
     };
     let _telemetry = rlplane::telemetry::init(&settings);
-    let result = match cli.command {
-        Command::Local(a) => return rlplane::local::main(a),
-        Command::Worker(a) => return rlplane::pod::main(a),
-        Command::Validate { manifest } => return validate(&manifest),
-        Command::Bench(c) => rlplane::bench::run(c),
-        Command::Peer(c) => rlplane::bench::run_peer(c),
-    };
+    match cli.command {
+        Command::Local(a) => rlplane::local::main(a),
+        Command::Worker(a) => rlplane::pod::main(a),
+        Command::Validate { manifest } => validate(&manifest),
+        #[cfg(feature = "bench")]
+        Command::Bench(c) => exit_code(rlplane::bench::run(c)),
+        #[cfg(feature = "bench")]
+        Command::Peer(c) => exit_code(rlplane::bench::run_peer(c)),
+    }
+}
+
+/// A benchmark's outcome as the process's exit code, its error printed.
+#[cfg(feature = "bench")]
+fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,4 +1,4 @@
-//! The GPU kernels' logic on the CPU: `worker/src/gpu/kernels.cu` compiled as C++ with the host
+//! The GPU kernels' logic on the CPU: `refit/src/gpu/kernels.cu` compiled as C++ with the host
 //! shims of `emulation.h` (every thread of every thread block run one after another), against the
 //! CPU definitions in `rlplane::digest`. This covers the region search, the block sampling, the
 //! strided, unaligned and partial-word loads and the synthetic fill on machines without a GPU;
@@ -77,7 +77,7 @@ int main(int argc, char **argv) {
 
 /// Compiles the harness, or says why the test skips.
 fn harness(dir: &Path) -> Option<PathBuf> {
-    let gpu_src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/gpu");
+    let gpu_src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../refit/src/gpu");
     let Some(cxx) = ["clang++-14", "clang++"].into_iter().find(|c| Command::new(c).arg("--version").output().is_ok())
     else {
         assert!(

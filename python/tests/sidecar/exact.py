@@ -21,7 +21,7 @@ def full(version: int, index: int, dtype: str, shape: tuple[int, ...]) -> np.nda
 
 def shard(whole: np.ndarray, shard_shape: tuple[int, ...], tp: int) -> np.ndarray:
     """The part of `whole` tensor-parallel rank `tp` holds, as the sidecar's `shard_shape`
-    implies it (worker/src/refit/plan.rs): the whole tensor, or an even split along dimension 0
+    implies it (refit/src/plan.rs): the whole tensor, or an even split along dimension 0
     (tpSplit Rows) or dimension 1 (Columns)."""
     if tuple(shard_shape) == whole.shape:
         return whole

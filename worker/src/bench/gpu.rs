@@ -38,8 +38,8 @@ use crate::gpu::nccl::{Comm, UniqueId};
 use crate::gpu::tensors::DeviceTensors;
 use crate::gpu::{DeviceBuffer, Gpu, GpuError, copy_async};
 use crate::refit::TransportKind as Kind;
+use crate::refit::verify::segment_id;
 use crate::refit::{self, RefitPlan};
-use crate::roles::generation::segment_id;
 use crate::roles::refit_side::{self, Receiver, Sender, Side as VerifySide, Weights};
 
 /// GPU transports.
@@ -893,7 +893,7 @@ impl PeerState {
                 reply.phases = [stats.begin_secs, stats.transfer_secs, stats.end_secs];
                 // Where a refit's time goes (RLPLANE_LOG=debug): the fixed part is begin + end and
                 // what transfer spends beyond the copies.
-                crate::roles::trainer::refit_event(&stats);
+                crate::roles::refit_side::refit_event(&stats);
             }
             Op::Digest { version, verify } => {
                 let t = Instant::now();

@@ -14,7 +14,7 @@ use rlplane_api::TqPlacement;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
 use tracing::Instrument;
 
-use super::refit_side::{self, Receiver, Side, Weights};
+use super::refit_side::{self, Receiver, Side, Weights, segment_id};
 use super::{Rank, announce_ready, secs, serve_commands};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::metrics::RankMetrics;
@@ -194,7 +194,7 @@ impl Generation {
             self.receiver.receive(&mut self.weights).instrument(tracing::info_span!("refit.receive", version)).await?;
         let busy = secs(t);
         self.metrics.refit(&stats);
-        super::trainer::refit_event(&stats);
+        refit_side::refit_event(&stats);
         if stats.version != version {
             anyhow::bail!("received weight version {} where the coordinator announced {version}", stats.version);
         }
@@ -237,7 +237,7 @@ impl Generation {
             }
         };
         self.metrics.refit(&stats);
-        super::trainer::refit_event(&stats);
+        refit_side::refit_event(&stats);
         let t = Instant::now();
         let verify_policy = self.plan.refit.verify;
         let digest = received_digest(&self.plans, |p, pos| {
@@ -317,9 +317,4 @@ fn refit_report(
             .into(),
         ..Default::default()
     }
-}
-
-/// Identity of segment `index` of the stream of the group's `sender_pos`-th sender.
-pub fn segment_id(sender_pos: usize, index: usize) -> u64 {
-    ((sender_pos as u64) << 32) | index as u64
 }

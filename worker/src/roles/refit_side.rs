@@ -22,7 +22,7 @@ use crate::gpu::Gpu;
 use crate::gpu::tensors::DeviceTensors;
 use crate::net::JobAuth;
 use crate::refit::memory::{DestinationMemory, HostTensors, Region, SourceMemory};
-pub use crate::refit::verify::Side;
+pub use crate::refit::verify::{Side, segment_id};
 use crate::refit::{
     self, RefitPlan, RefitReceiver, RefitSender, RefitStats, StreamConfig, TransportKind as Kind, WeightsState,
 };
@@ -373,4 +373,21 @@ pub fn open_gpu(plan: &WorkerPlan, me: u32, kind: Kind) -> anyhow::Result<Option
         tracing::info!(nccl = v, gpu = ordinal, "NCCL loaded");
     }
     Ok(Some(gpu))
+}
+
+/// A debug event with the refit's per-phase timings (a span event in the trace).
+pub(crate) fn refit_event(stats: &RefitStats) {
+    tracing::debug!(
+        version = stats.version,
+        bytes = stats.bytes,
+        buckets = stats.buckets,
+        total_s = stats.total_secs,
+        begin_s = stats.begin_secs,
+        pack_s = stats.pack_secs,
+        transfer_s = stats.transfer_secs,
+        unpack_s = stats.unpack_secs,
+        buffer_wait_s = stats.buffer_wait_secs,
+        end_s = stats.end_secs,
+        "refit done"
+    );
 }

@@ -15,8 +15,7 @@ use rlplane_api::plan::{ProcessRole, TrainerCoords, WorkerPlan};
 use rlplane_api::{RefitVerify, TqFetch};
 use tracing::Instrument;
 
-use super::generation::segment_id;
-use super::refit_side::{self, Sender, Side, Weights};
+use super::refit_side::{self, Sender, Side, Weights, segment_id};
 use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::digest::Digest;
@@ -396,7 +395,7 @@ impl Trainer {
             None => sender.send(version, &self.shard).instrument(tracing::info_span!("refit.send", version)).await?,
         };
         self.metrics.refit(&stats);
-        refit_event(&stats);
+        refit_side::refit_event(&stats);
         Ok(Report {
             busy_secs: secs(t),
             bytes: stats.bytes,
@@ -422,21 +421,4 @@ impl Trainer {
     fn metrics_name(&self) -> String {
         format!("trainer rank {}", self.coords.rank)
     }
-}
-
-/// A debug event with the refit's per-phase timings (a span event in the trace).
-pub(crate) fn refit_event(stats: &refit::RefitStats) {
-    tracing::debug!(
-        version = stats.version,
-        bytes = stats.bytes,
-        buckets = stats.buckets,
-        total_s = stats.total_secs,
-        begin_s = stats.begin_secs,
-        pack_s = stats.pack_secs,
-        transfer_s = stats.transfer_secs,
-        unpack_s = stats.unpack_secs,
-        buffer_wait_s = stats.buffer_wait_secs,
-        end_s = stats.end_secs,
-        "refit done"
-    );
 }

@@ -122,7 +122,8 @@ impl UserWeights {
                             f
                         }
                     };
-                    file.region(*offset, *nbytes).map_err(|e| invalid(format!("`{name}`: {e}")))?
+                    let addr = file.address(*offset, *nbytes).map_err(|e| invalid(format!("`{name}`: {e}")))?;
+                    Region { space: MemorySpace::Host, addr, len: *nbytes }
                 }
                 (MemoryDesc::CudaIpc { handle, offset, nbytes }, MemoryKind::Device) => {
                     let gpu = gpu.ok_or_else(|| invalid("cuda_ipc memory on a rank without a GPU"))?;
@@ -230,7 +231,7 @@ impl UserWeights {
                 use std::os::unix::fs::PermissionsExt;
                 std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
                 for ((t, s), off) in manifest.iter().zip(&sizes).zip(&offsets) {
-                    regions.push(Some(file.region(*off, *s)?));
+                    regions.push(Some(Region { space: MemorySpace::Host, addr: file.address(*off, *s)?, len: *s }));
                     descs.push(json!({"name": t.name, "dtype": t.dtype.as_str(), "shape": t.shape,
                         "memory": {"kind": "shm", "path": path.display().to_string(), "offset": off, "nbytes": s}}));
                 }

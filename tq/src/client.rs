@@ -27,7 +27,7 @@ use super::codec::{self, Block, Body, CONTROLLER_MAGIC, ErrorCode, Header, Outgo
 use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleTags};
 use super::controller::{AckReport, Claim, ClearReport, connect_unit};
 use super::storage::StorageUnit;
-use crate::net::{self, Hello, JobAuth, NetError};
+use rlplane_wire::net::{self, Hello, JobAuth, NetError};
 
 /// Whether this process may write back.
 #[derive(Clone, Debug, PartialEq, Eq)]

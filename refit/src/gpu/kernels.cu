@@ -1,5 +1,5 @@
 // rlplane's device kernels. The build needs no CUDA toolkit: this file is compiled to PTX once
-// (`worker/src/gpu/build-ptx`, clang's NVPTX back end, no CUDA headers) and the PTX is committed
+// (`refit/src/gpu/build-ptx`, clang's NVPTX back end, no CUDA headers) and the PTX is committed
 // as kernels.ptx; the driver JIT-compiles it for the GPU at hand (cuModuleLoadData). CI checks
 // that kernels.ptx is what this file compiles to.
 //

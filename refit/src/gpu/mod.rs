@@ -289,7 +289,7 @@ impl Gpu {
     /// Every region must be valid device memory until `end` has completed.
     pub unsafe fn copy_regions(
         &self,
-        copies: &[crate::refit::memory::Copy2d],
+        copies: &[crate::memory::Copy2d],
         stream: &CudaStream,
     ) -> Result<(CudaEvent, CudaEvent), GpuError> {
         self.bind()?;

@@ -29,8 +29,8 @@ pub use column::{
 pub use controller::{Claim, ControllerConfig, TqController};
 pub use storage::{StorageServer, StorageUnit};
 
-use crate::net::NetError;
 use codec::ErrorCode;
+use rlplane_wire::net::NetError;
 
 /// Errors of transfer-queue clients. Each names the peer, partition, field or key involved, and
 /// what to do about it.

@@ -37,7 +37,7 @@ pub const STORAGE_MAGIC: [u8; 4] = *b"TQSU";
 pub const FANOUT_MAGIC: [u8; 4] = *b"TQFO";
 
 /// Largest header frame accepted (metadata only; bulk goes in buffer frames).
-pub const MAX_HEADER: u32 = crate::net::MAX_FRAME;
+pub const MAX_HEADER: u32 = rlplane_wire::net::MAX_FRAME;
 
 /// Most dimensions of a row shape.
 pub const MAX_NDIM: usize = 8;
@@ -927,7 +927,7 @@ pub enum ReadError {
 
 /// Reads one header frame into `buf` and decodes it.
 pub async fn read_message<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> Result<(Header, Body), ReadError> {
-    crate::net::read_frame(r, buf, MAX_HEADER).await.map_err(|e| {
+    rlplane_wire::net::read_frame(r, buf, MAX_HEADER).await.map_err(|e| {
         if e.kind() == std::io::ErrorKind::InvalidData {
             ReadError::Codec(CodecError { offset: 0, what: e.to_string() })
         } else {

@@ -6,8 +6,6 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::refit::memory::{MemorySpace, Region};
-
 /// A mapping error: the file and what went wrong.
 #[derive(Debug, thiserror::Error)]
 #[error("shared-memory file {path}: {message}")]
@@ -99,12 +97,11 @@ impl SharedFile {
         &self.path
     }
 
-    /// The host region `[offset, offset + len)` of the mapping, or an error naming the bounds.
-    pub fn region(&self, offset: u64, len: u64) -> Result<Region, ShmError> {
+    /// The address of byte `offset` of the mapping, where `[offset, offset + len)` lies inside
+    /// it, or an error naming the bounds.
+    pub fn address(&self, offset: u64, len: u64) -> Result<u64, ShmError> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len as u64 => {
-                Ok(Region { space: MemorySpace::Host, addr: self.addr as u64 + offset, len })
-            }
+            Some(end) if end <= self.len as u64 => Ok(self.addr as u64 + offset),
             _ => Err(err(
                 &self.path,
                 format!("bytes {offset}..{} lie outside the file's {} bytes", offset.saturating_add(len), self.len),
@@ -114,17 +111,17 @@ impl SharedFile {
 
     /// A copy of `[offset, offset + len)`.
     pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ShmError> {
-        let r = self.region(offset, len)?;
+        let addr = self.address(offset, len)?;
         // SAFETY: in bounds of the live mapping; the bytes are copied out at once (another
         // process writing them meanwhile gives torn values, not unsoundness in this process).
-        Ok(unsafe { r.as_slice() }.to_vec())
+        Ok(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }.to_vec())
     }
 
     /// Writes `bytes` at `offset` (the mapping must be writable).
     pub fn write(&self, offset: u64, bytes: &[u8]) -> Result<(), ShmError> {
-        let r = self.region(offset, bytes.len() as u64)?;
+        let addr = self.address(offset, bytes.len() as u64)?;
         // SAFETY: in bounds of the live mapping, which this process created writable.
-        unsafe { r.as_mut_slice() }.copy_from_slice(bytes);
+        unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, bytes.len()) }.copy_from_slice(bytes);
         Ok(())
     }
 }
@@ -149,7 +146,7 @@ mod tests {
         let b = SharedFile::open(&path, false).unwrap();
         a.write(100, b"hello").unwrap();
         assert_eq!(b.read(100, 5).unwrap(), b"hello");
-        let e = b.region(4000, 200).unwrap_err().to_string();
+        let e = b.address(4000, 200).unwrap_err().to_string();
         assert!(e.contains("4000..4200") && e.contains("4096"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -487,7 +487,7 @@ pub struct MetaError {
 }
 
 /// Metadata of a batch of samples of one partition: the schema and each sample's key, storage
-/// unit, token count, rows per field and tags. Everything [`crate::tq::client::TqClient::get`]
+/// unit, token count, rows per field and tags. Everything [`crate::client::TqClient::get`]
 /// needs to fetch the bytes.
 ///
 /// Columnar, like its wire form (`docs/transfer-queue.md`, "Batch metadata"): every key in one

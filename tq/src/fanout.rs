@@ -20,7 +20,7 @@ use super::TqError;
 use super::client::TqClient;
 use super::codec::{self, Block, Body, FANOUT_MAGIC, Header, Outgoing, ReadError, WIRE_VERSION};
 use super::column::{Batch, BatchMeta, Column};
-use crate::net::{self, Hello, JobAuth, NetError};
+use rlplane_wire::net::{self, Hello, JobAuth, NetError};
 
 /// Sends a batch to every follower of a fan-out group.
 pub trait FanoutSender {

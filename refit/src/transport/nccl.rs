@@ -11,7 +11,7 @@
 //! tickets are CUDA events. The two streams are not chained on the GPU: the engine already waits
 //! for a pack before submitting its bucket, for a bucket before unpacking it and for an unpack
 //! before reusing its buffer, and a GPU-side chain would also hold bucket k+1 behind bucket k. Rendezvous: the sender listens on its refit port, hands every receiver the unique
-//! id (only after the authenticated handshake of [`crate::net`] and the plan-identity check:
+//! id (only after the authenticated handshake of [`rlplane_wire::net`] and the plan-identity check:
 //! [`publish_unique_id`], [`fetch_unique_id`]) and that TCP connection then carries the
 //! version at `begin` and the receivers' confirmations at `end`. The communicator is non-blocking:
 //! every wait polls it and the event, and a deadline or a dead peer aborts it.
@@ -28,9 +28,9 @@ use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::nccl::{Comm, UniqueId, group_end, group_start};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError};
-use crate::net::{self, Hello, JobAuth};
-use crate::refit::memory::{Copy2d, MemorySpace};
-use crate::refit::plan::PlanIdentity;
+use crate::memory::{Copy2d, MemorySpace};
+use crate::plan::PlanIdentity;
+use rlplane_wire::net::{self, Hello, JobAuth};
 
 /// Handshake magic of the NCCL rendezvous.
 pub const MAGIC: [u8; 4] = *b"RNCL";

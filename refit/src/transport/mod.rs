@@ -2,7 +2,7 @@
 //! the same [`Transport`] trait.
 //!
 //! A transport is one broadcast group: one root (a sender) and its receivers. The refit engine
-//! ([`crate::refit::stream`]) drives it bucket by bucket and never blocks on it except through
+//! ([`crate::stream`]) drives it bucket by bucket and never blocks on it except through
 //! [`Transport::wait`]:
 //!
 //! - [`Transport::submit`] starts moving one bucket and returns a ticket at once, like an
@@ -26,14 +26,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::net::NetError;
-use crate::refit::memory::{Copy2d, MemorySpace, Region, StagingBuffer};
+use crate::memory::{Copy2d, MemorySpace, Region, StagingBuffer};
+use rlplane_wire::net::NetError;
 
 /// One contiguous span of a bucket: the bytes of one segment (or of a whole segment's staged
 /// copy), in the order they travel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
-    /// Index of the segment in [`crate::refit::plan::RefitPlan::segments`].
+    /// Index of the segment in [`crate::plan::RefitPlan::segments`].
     pub segment: u32,
     /// Where the bytes are (root) or go (receiver).
     pub region: Region,

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 
 use super::codec::{self, Block, Body, ErrorCode, Header, Outgoing, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use super::column::{Column, FieldSpec};
-use crate::net::{self, JobAuth, NetError};
+use rlplane_wire::net::{self, JobAuth, NetError};
 
 /// Errors of a storage unit. Each names the unit and what to change.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

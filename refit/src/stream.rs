@@ -32,8 +32,8 @@ use rlplane_api::spec::RefitSpec;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::refit::memory::{Copy2d, DestinationMemory, MemorySpace, Region, SourceMemory, StagingBuffer};
-use crate::refit::plan::{RefitPlan, Segment};
+use crate::memory::{Copy2d, DestinationMemory, MemorySpace, Region, SourceMemory, StagingBuffer};
+use crate::plan::{RefitPlan, Segment};
 use crate::transport::{Piece, Transport, TransportError};
 
 /// When segments go through staging buffers.
@@ -179,14 +179,14 @@ pub enum RefitError {
     Config(String),
     /// The plan could not be built from the settings.
     #[error("refit plan: {0}")]
-    Plan(crate::refit::plan::PlanError),
+    Plan(crate::plan::PlanError),
     /// Connecting the streams failed (rendezvous, handshake, plan mismatch).
     #[error("connecting the refit streams failed: {0}")]
     Connect(TransportError),
 }
 
-impl From<crate::refit::plan::PlanError> for RefitError {
-    fn from(e: crate::refit::plan::PlanError) -> Self {
+impl From<crate::plan::PlanError> for RefitError {
+    fn from(e: crate::plan::PlanError) -> Self {
         RefitError::Plan(e)
     }
 }

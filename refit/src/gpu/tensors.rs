@@ -1,12 +1,12 @@
 //! Weights in GPU memory: one `cuMemAlloc` allocation per tensor (as a trainer or an inference
 //! engine holding separate parameters has them), usable as a refit source or destination, plus the
-//! device-side version of the synthetic update (the digests are `crate::refit::verify`'s).
+//! device-side version of the synthetic update (the digests are `crate::verify`'s).
 
 use cudarc::driver::CudaStream;
 
 use super::{DeviceBuffer, Gpu, GpuError};
-use crate::refit::memory::{DestinationMemory, MemorySpace, Region, SourceMemory, StagingBuffer};
-use crate::refit::plan::{RefitPlan, Segment};
+use crate::memory::{DestinationMemory, MemorySpace, Region, SourceMemory, StagingBuffer};
+use crate::plan::{RefitPlan, Segment};
 
 /// Per-tensor device buffers (`None` where this rank holds none of a tensor).
 pub struct DeviceTensors {

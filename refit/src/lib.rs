@@ -1,17 +1,24 @@
 //! Refit: moving the trainer's new weights to every generation rank after each step.
 //!
-//! - [`plan`]: the deterministic packing plan (pure), compared by hash at the handshake.
-//! - [`memory`]: source / destination memory traits, host buffers, the host copy thread.
-//! - [`stream`]: the engine: N-buffer pipelining, versions, timeouts, phase timings.
-//! - [`verify`]: the check of what a receiver holds against the senders (digests, full or sampled).
-//! - [`crate::transport`]: what carries the buckets (TCP now; NCCL and CUDA IPC next).
+//! From the bottom up (a module imports only those above it in this list, and the wire layer):
+//! - [`plan`]: the deterministic packing plan (pure), compared by hash at the handshake;
+//!   [`memory`]: source / destination memory traits, host buffers, the host copy thread;
+//!   [`digest`]: the content hash of a byte range, and the synthetic weights' contents.
+//! - [`gpu`]: CUDA contexts, device tensors, IPC handles, NCCL communicators, the kernels;
+//!   [`transport`]: what carries the buckets (TCP relay, NCCL broadcast, CUDA IPC).
+//! - [`stream`]: the engine: N-buffer pipelining, versions, timeouts, phase timings;
+//!   [`verify`]: the check of what a receiver holds against the senders (digests, full or sampled).
 //!
-//! This module also derives each member's streams (plans and relay routes) from the
-//! [`WorkerPlan`], so that every rank computes the same plans from the same document.
+//! The crate root also derives each member's streams (plans and relay routes) from the
+//! [`WorkerPlan`], so that every rank computes the same plans from the same document. It knows
+//! nothing of roles, the sidecar, the local runner or metrics.
 
+pub mod digest;
+pub mod gpu;
 pub mod memory;
 pub mod plan;
 pub mod stream;
+pub mod transport;
 pub mod verify;
 
 use std::sync::Arc;
@@ -25,8 +32,8 @@ pub use memory::{DestinationMemory, HostTensors, MemorySpace, Region, SourceMemo
 pub use plan::{PlanError, PlanIdentity, RefitPlan, Segment, SenderLayout, ShardCoords};
 pub use stream::{RefitError, RefitReceiver, RefitSender, RefitStats, StagingPolicy, StreamConfig, WeightsState};
 
-use crate::net::JobAuth;
 use crate::transport::tcp::{self, RefitListener, Route, TcpOptions, TcpTransport};
+use rlplane_wire::net::JobAuth;
 
 /// The transport a refit group's members use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -14,7 +14,7 @@
 //! The sender listens on its `ports.refit` address from the WorkerPlan; every receiver listens on
 //! its own `ports.refit` for its relay children. Each member connects to its parent with
 //! [`net::connect_retry`] until the deadline and runs the authenticated handshake of
-//! [`crate::net`] (job token, proof of the epoch's key) with, in `extra`, the stream's sender
+//! [`rlplane_wire::net`] (job token, proof of the epoch's key) with, in `extra`, the stream's sender
 //! (process index) and its [`PlanIdentity`]. The parent refuses a peer without the key, a peer
 //! that is not its expected child for that stream, or one whose plan differs; a plan
 //! mismatch fails both sides with both sides' manifest length, bucket size and alignment.
@@ -39,9 +39,9 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{Piece, Transport, TransportError};
-use crate::net::{self, Hello, JobAuth, NetError};
-use crate::refit::memory::{AccessFence, Copy2d, HostBuffer, HostCopyStream, MemorySpace, Region};
-use crate::refit::plan::PlanIdentity;
+use crate::memory::{AccessFence, Copy2d, HostBuffer, HostCopyStream, MemorySpace, Region};
+use crate::plan::PlanIdentity;
+use rlplane_wire::net::{self, Hello, JobAuth, NetError};
 
 /// Handshake magic of refit connections.
 pub const HELLO_MAGIC: [u8; 4] = *b"RFIT";
@@ -535,7 +535,7 @@ impl TcpTransport {
             let (op, peer, bucket) = shared.activity();
             format!("{} with {peer}", op.describe(bucket))
         };
-        let waited = crate::patience::wait_reporting(deadline, what, async {
+        let waited = rlplane_wire::patience::wait_reporting(deadline, what, async {
             self.progress.wait_for(|p| p.done >= seq || p.error.is_some()).await.map(|p| (p.done, p.error.clone()))
         })
         .await;

@@ -11,6 +11,12 @@ use super::plan::RefitPlan;
 use crate::digest::{Sampling, digest_region, segment_term};
 use crate::gpu::{DigestRegion, Gpu};
 
+/// The identity of segment `index` of the stream of a refit group's `sender_pos`-th sender: what
+/// a digest's terms are keyed by, so that the same bytes in the wrong place do not match.
+pub fn segment_id(sender_pos: usize, index: usize) -> u64 {
+    ((sender_pos as u64) << 32) | index as u64
+}
+
 /// Which end of the plan's segments to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {

@@ -18,7 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::codec::{self, Body, CONTROLLER_MAGIC, ErrorCode, Header, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use super::column::{ABSENT, BatchMeta, FieldSpec, SampleKey, SampleTags};
-use crate::net::{self, Hello, JobAuth, NetError};
+use rlplane_wire::net::{self, Hello, JobAuth, NetError};
 
 /// Most fields a partition may have (ready checks are one 64-bit mask test per sample).
 pub const MAX_FIELDS: usize = 64;
@@ -1013,7 +1013,7 @@ async fn watch_unit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tq::column::DType;
+    use crate::column::DType;
 
     fn meta(partition: &str, unit: u32, keys: std::ops::Range<u32>) -> BatchMeta {
         let mut b = BatchMeta::builder(partition, vec![FieldSpec::ragged("ids", DType::I64)]);

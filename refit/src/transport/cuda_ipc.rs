@@ -4,7 +4,7 @@
 //! there: GPU-NOTES.md).
 //!
 //! Control goes over a Unix stream socket: the sender listens on a path in the pod's shared
-//! emptyDir (the plan's `ipc://` endpoint); each receiver connects and passes the [`crate::net`]
+//! emptyDir (the plan's `ipc://` endpoint); each receiver connects and passes the [`rlplane_wire::net`]
 //! handshake (token, key proof both ways, plan identity in the hello); the sender's welcome names
 //! its GPU. Then length-prefixed frames ([`FrameLink`]: written and read by non-blocking system
 //! calls on the refit's own task), the first byte saying what it is: `B` begin (version);
@@ -32,10 +32,10 @@ use tokio::time::Instant;
 use super::{Piece, Transport, TransportError, coalesce, gpu_err};
 use crate::gpu::tensors::DeviceStaging;
 use crate::gpu::{Gpu, GpuError, IpcHandle, IpcMapping, copy_async};
-use crate::link::FrameLink;
-use crate::net::{self, JobAuth};
-use crate::refit::memory::{Copy2d, MemorySpace};
-use crate::refit::plan::{PlanIdentity, RefitPlan};
+use crate::memory::{Copy2d, MemorySpace};
+use crate::plan::{PlanIdentity, RefitPlan};
+use rlplane_wire::link::FrameLink;
+use rlplane_wire::net::{self, JobAuth};
 
 /// What the sender lends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -456,7 +456,7 @@ fn st_mapped(st: &ReceiverState, key: u32) -> Option<CUdeviceptr> {
     st.mapped.get(&key).map(|m| m.ptr())
 }
 
-/// Handshake magic of the CUDA IPC control channel (the [`crate::net`] handshake, on its Unix
+/// Handshake magic of the CUDA IPC control channel (the [`rlplane_wire::net`] handshake, on its Unix
 /// socket).
 pub const IPC_MAGIC: [u8; 4] = *b"RIPC";
 /// 2: frames on a Unix stream socket instead of zeromq messages.
@@ -487,7 +487,7 @@ fn link_err(peer: &str, what: &str, e: std::io::Error) -> TransportError {
 }
 
 /// The sender's side of the handshake: accepts connections on `listener` until every one of
-/// `receivers` has joined, each through the [`crate::net`] handshake (token, key proof both ways)
+/// `receivers` has joined, each through the [`rlplane_wire::net`] handshake (token, key proof both ways)
 /// and then the checks of its hello — an expected receiver with the same plan — answered by a
 /// welcome frame naming GPU `ordinal`. Anything else is refused with the reason, counted in
 /// `auth`'s refusals and changes nothing. Handshakes run side by side, so a connection that never
@@ -560,7 +560,7 @@ async fn admit(
     Ok(Peer { name: hello.peer, link })
 }
 
-/// A receiver's side of the handshake: the [`crate::net`] handshake as `me` with this plan's
+/// A receiver's side of the handshake: the [`rlplane_wire::net`] handshake as `me` with this plan's
 /// identity (a sender without the epoch's key is refused), then the sender's welcome: its GPU.
 async fn say_hello(
     stream: &mut UnixStream,
@@ -835,7 +835,7 @@ mod tests {
     //! The control channel's handshake over real Unix sockets, without a GPU: the same attackers
     //! as `tests/auth.rs` on the TCP ports, each refused, counted and left out.
     use super::*;
-    use crate::refit::plan::RefitPlan;
+    use crate::plan::RefitPlan;
     use rlplane_api::model::{DType, TensorSpec, TpSplit};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
