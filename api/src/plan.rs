@@ -21,7 +21,7 @@ use crate::spec::{Device, Mode, ModelSpec, ObservabilitySpec, RefitSpec, Transfe
 /// Version of the plan format. A worker refuses a plan of any other version. Version 2 added
 /// [`JobRef::key_file`] (and with it the authenticated handshake), so a worker of version 1 and
 /// one of version 2 cannot be mixed in one job.
-pub const PLAN_FORMAT_VERSION: u32 = 2;
+pub const PLAN_FORMAT_VERSION: u32 = 3;
 
 /// Fixed ports inside a pod (cluster mode). Per-process services add the process's local index.
 pub mod ports {
@@ -203,6 +203,31 @@ pub struct RefitGroup {
     pub receivers: Vec<u32>,
     /// Every member shares one node (one pod), so CUDA IPC can serve it.
     pub same_node: bool,
+    /// What carries the group's buckets: `spec.refit.transport`, with `Auto` resolved once, by
+    /// the plan builder ([`crate::topology::group_transport`]); every rank only reads it.
+    pub transport: GroupTransport,
+}
+
+/// A refit group's resolved transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GroupTransport {
+    /// TCP relay, host memory.
+    Tcp,
+    /// NCCL broadcast, GPU memory.
+    Nccl,
+    /// CUDA IPC, GPU memory of one node.
+    CudaIpc,
+}
+
+impl GroupTransport {
+    /// Its name in logs, metrics labels and summaries (`tcp`, `nccl`, `cuda_ipc`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupTransport::Tcp => "tcp",
+            GroupTransport::Nccl => "nccl",
+            GroupTransport::CudaIpc => "cuda_ipc",
+        }
+    }
 }
 
 /// A data-parallel shard's fan-out group: its leader and followers.
@@ -540,6 +565,15 @@ pub const KEY_FILE_ENV: &str = "RLPLANE_KEY_FILE";
 pub fn job_key_secret_name(job: &str, uid: &str, epoch: u32) -> String {
     let uid: String = uid.chars().filter(char::is_ascii_alphanumeric).take(8).collect();
     format!("{job}-key-{}-e{epoch}", uid.to_ascii_lowercase())
+}
+
+/// A fresh job key from the operating system's random source: the one place keys are made (the
+/// operator's Secrets, `rlplane local`'s key files, the benchmarks'). `Err` names what failed.
+pub fn generate_job_key() -> Result<[u8; JOB_KEY_LEN], String> {
+    use ring::rand::SecureRandom;
+    let mut key = [0u8; JOB_KEY_LEN];
+    ring::rand::SystemRandom::new().fill(&mut key).map_err(|e| format!("the system random source failed ({e})"))?;
+    Ok(key)
 }
 
 /// The text form of a job key, as it is stored in the Secret and in key files: lowercase hex

@@ -11,10 +11,11 @@
 //! `g / generation.gpusPerNode`.
 
 use crate::plan::{
-    FanoutGroup, GenerationCoords, JobRef, Layout, PLAN_FORMAT_VERSION, POD_KEY_FILE, PodEntry, PodRole, ProcessEntry,
-    ProcessPorts, ProcessRole, RefitGroup, StorageUnitEntry, TrainerCoords, WorkerPlan, job_token, ports,
+    FanoutGroup, GenerationCoords, GroupTransport, JobRef, Layout, PLAN_FORMAT_VERSION, POD_KEY_FILE, PodEntry,
+    PodRole, ProcessEntry, ProcessPorts, ProcessRole, RefitGroup, StorageUnitEntry, TrainerCoords, WorkerPlan,
+    job_token, ports,
 };
-use crate::spec::{Device, Mode, RLJobSpec, RefitSource, TqPlacement};
+use crate::spec::{Device, Mode, RLJobSpec, RefitSource, RefitTransport, TqPlacement};
 use crate::validate::{ValidationErrors, validate};
 
 /// Identity of the job instance a plan is built for.
@@ -96,6 +97,23 @@ pub fn plan_config_map_name(job: &str) -> String {
 /// Name of a pod: `<job>-trainer-<i>`, `<job>-gen-<i>`, `<job>-tq-<i>`.
 pub fn pod_name(job: &str, role: PodRole, index: u32) -> String {
     format!("{job}-{}-{index}", role.short())
+}
+
+/// The transport of one refit group: `spec.refit.transport`, or for `Auto` what was measured
+/// fastest (docs/benchmarks.md): TCP without GPUs; CUDA IPC when colocated (ranks share GPUs,
+/// which NCCL cannot put in one communicator) or when one receiver shares the senders' node (copy
+/// engines, 1.09 × NCCL); NCCL for fan-out to several receivers (its ring crosses each sender's
+/// link once) and across nodes.
+pub fn group_transport(spec: &RLJobSpec, same_node: bool, receivers: usize) -> GroupTransport {
+    match spec.refit.transport {
+        RefitTransport::Tcp => GroupTransport::Tcp,
+        RefitTransport::Nccl => GroupTransport::Nccl,
+        RefitTransport::CudaIpc => GroupTransport::CudaIpc,
+        RefitTransport::Auto if spec.device == Device::Cpu => GroupTransport::Tcp,
+        RefitTransport::Auto if spec.mode == Mode::Colocated => GroupTransport::CudaIpc,
+        RefitTransport::Auto if same_node && receivers == 1 => GroupTransport::CudaIpc,
+        RefitTransport::Auto => GroupTransport::Nccl,
+    }
 }
 
 /// Builds the plan of a job epoch. Validates the spec first and returns every error.
@@ -307,7 +325,9 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
     let make_group = |name: String, senders: &[u32], receivers: Vec<u32>| {
         let senders: Vec<u32> = senders.iter().map(|&r| trainer_proc[r as usize]).collect();
         let members: Vec<&str> = senders.iter().chain(&receivers).map(|&i| pod_name_of(i)).collect();
-        RefitGroup { name, same_node: addr.same_node(&members), senders, receivers }
+        let same_node = addr.same_node(&members);
+        let transport = group_transport(spec, same_node, receivers.len());
+        RefitGroup { name, same_node, senders, receivers, transport }
     };
     let refit_groups = match &per_pod_senders {
         Some(groups) => groups

@@ -364,3 +364,24 @@ fn hybrid_sharded_colocated_pods_refit_from_their_own_shard_group() {
         assert_eq!(g.receivers.len(), 4);
     }
 }
+
+#[test]
+fn each_refit_group_carries_its_transport_resolved_once() {
+    use rlplane_api::plan::GroupTransport;
+    let transports = |l: L, device: Device, t: RefitTransport| -> Vec<GroupTransport> {
+        let mut spec = spec_of(l);
+        spec.device = device;
+        spec.refit.transport = t;
+        let p = build_plan(&spec, &id(0), &ClusterAddressing { job: "job".into(), namespace: "ns".into() }).unwrap();
+        p.refit_groups.iter().map(|g| g.transport).collect()
+    };
+    let all = layouts();
+    let colocated = all.iter().copied().find(|l| l.mode == Mode::Colocated && l.nodes == 2).unwrap();
+    let split_one_pod_two_engines = all[0];
+    // Auto: TCP without GPUs; CUDA IPC colocated; NCCL to several receivers; explicit stays.
+    assert!(transports(colocated, Device::Cpu, RefitTransport::Auto).iter().all(|t| *t == GroupTransport::Tcp));
+    assert!(transports(colocated, Device::Gpu, RefitTransport::Auto).iter().all(|t| *t == GroupTransport::CudaIpc));
+    assert_eq!(transports(split_one_pod_two_engines, Device::Gpu, RefitTransport::Auto), [GroupTransport::Nccl]);
+    assert_eq!(transports(split_one_pod_two_engines, Device::Gpu, RefitTransport::CudaIpc), [GroupTransport::CudaIpc]);
+    assert_eq!(transports(split_one_pod_two_engines, Device::Gpu, RefitTransport::Tcp), [GroupTransport::Tcp]);
+}

@@ -19,8 +19,7 @@ use kube::api::{
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
-use ring::rand::SecureRandom;
-use rlplane_api::plan::{JOB_KEY_LEN, job_key_secret_name};
+use rlplane_api::plan::job_key_secret_name;
 use rlplane_api::topology::{headless_service_name, plan_config_map_name};
 use rlplane_api::{GangScheduler, Phase, RLJob, RLJobStatus};
 use serde::Serialize;
@@ -398,8 +397,7 @@ async fn apply_pod_group(client: &Client, ns: &str, d: &Desired) -> Result<(), E
 async fn create_key_secret(client: &Client, ns: &str, d: &Desired) -> Result<(), Error> {
     let api = Api::<Secret>::namespaced(client.clone(), ns);
     let name = d.key_secret.metadata.name.clone().unwrap_or_default();
-    let mut key = [0u8; JOB_KEY_LEN];
-    ring::rand::SystemRandom::new().fill(&mut key).map_err(|_| Error::Random("an epoch's key"))?;
+    let key = rlplane_api::plan::generate_job_key().map_err(|_| Error::Random("an epoch's key"))?;
     let pp = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
     match api.create(&pp, &d.key_secret_with(&key)).await {
         Ok(_) => info!(secret = %name, "created the epoch's key"),

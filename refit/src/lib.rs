@@ -23,8 +23,7 @@ pub mod verify;
 
 use std::sync::Arc;
 
-use rlplane_api::RefitTransport;
-use rlplane_api::plan::{ProcessRole, RefitGroup, TrainerCoords, WorkerPlan};
+use rlplane_api::plan::{GroupTransport, ProcessRole, RefitGroup, TrainerCoords, WorkerPlan};
 use rlplane_api::spec::RefitSource;
 use tokio::time::Instant;
 
@@ -46,20 +45,13 @@ pub enum TransportKind {
     Ipc,
 }
 
-/// The transport of `group` under the plan's (resolved) setting: `Tcp` keeps weights in host
-/// memory; `Nccl` and `CudaIpc` in GPU memory. `Auto` on GPUs follows what was measured on
-/// 4×H200 (docs/benchmarks.md): CUDA IPC for a group sharing one node with a single receiver per
-/// sender's bytes, NCCL for fan-out to several receivers and across nodes.
-pub fn transport_kind(plan: &WorkerPlan, group: &RefitGroup) -> TransportKind {
-    match plan.refit.transport {
-        RefitTransport::Tcp => TransportKind::Tcp,
-        RefitTransport::Nccl => TransportKind::Nccl,
-        RefitTransport::CudaIpc => TransportKind::Ipc,
-        RefitTransport::Auto if plan.device == rlplane_api::Device::Cpu => TransportKind::Tcp,
-        // Colocated ranks share GPUs, which NCCL cannot put in one communicator.
-        RefitTransport::Auto if plan.mode == rlplane_api::Mode::Colocated => TransportKind::Ipc,
-        RefitTransport::Auto if group.same_node && group.receivers.len() == 1 => TransportKind::Ipc,
-        RefitTransport::Auto => TransportKind::Nccl,
+/// The transport of `group`, as the plan builder resolved it (`rlplane_api::topology::group_transport`):
+/// `Tcp` keeps weights in host memory, `Nccl` and `Ipc` in GPU memory.
+pub fn transport_kind(group: &RefitGroup) -> TransportKind {
+    match group.transport {
+        GroupTransport::Tcp => TransportKind::Tcp,
+        GroupTransport::Nccl => TransportKind::Nccl,
+        GroupTransport::CudaIpc => TransportKind::Ipc,
     }
 }
 

@@ -423,6 +423,19 @@ pub enum KeyError {
     Random(String),
 }
 
+/// A fresh key ([`JobAuth::generate_key`]) written to a new file at `path` as
+/// [`write_key_file`] writes it, after removing any file there: how `rlplane local` and the
+/// benchmarks give their processes an epoch's key.
+pub fn issue_key_file(path: &Path) -> io::Result<[u8; JOB_KEY_LEN]> {
+    let key = JobAuth::generate_key().map_err(io::Error::other)?;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    write_key_file(path, &key)?;
+    Ok(key)
+}
+
 /// Writes `key` (as [`rlplane_api::plan::encode_job_key`] text) to a new file at `path` that only
 /// this user can read: mode 0600 from its creation, so the key is never readable by others, not
 /// even briefly. Fails if the file exists.
@@ -463,10 +476,9 @@ impl JobAuth {
         JobAuth { token: token.into(), key: hmac::Key::new(hmac::HMAC_SHA256, key), refusals: Refusals::default() }
     }
 
-    /// A fresh random key (for `rlplane local`, benchmarks and tests; the operator makes the
-    /// cluster's).
+    /// A fresh random key ([`rlplane_api::plan::generate_job_key`]).
     pub fn generate_key() -> Result<[u8; JOB_KEY_LEN], KeyError> {
-        random_bytes()
+        rlplane_api::plan::generate_job_key().map_err(KeyError::Random)
     }
 
     /// Reads the key of the plan's epoch from [`rlplane_api::plan::JobRef::key_file`].

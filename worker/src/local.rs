@@ -239,14 +239,14 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
     }
 }
 
-/// Which refit path the run uses, after looking at what this machine has: TCP (host memory)
-/// unless the manifest asks for GPUs, and then the GPUs found.
-fn resolve_transport(job: &mut rlplane_api::RLJob) -> anyhow::Result<(RefitTransport, Option<crate::gpu::GpuInfo>)> {
+/// The GPUs this machine has, when the manifest asks for them (a GPU transport, or `Auto` on
+/// `device: Gpu`), and the transport to name in the run's summary. Each refit group's transport
+/// itself is the plan builder's decision (`GroupTransport` in the plan).
+fn resolve_transport(job: &rlplane_api::RLJob) -> anyhow::Result<(RefitTransport, Option<crate::gpu::GpuInfo>)> {
     let t = job.spec.refit.transport;
     let wants_gpu = matches!(t, RefitTransport::Nccl | RefitTransport::CudaIpc)
         || (t == RefitTransport::Auto && job.spec.device == Device::Gpu);
     if !wants_gpu {
-        job.spec.refit.transport = RefitTransport::Tcp;
         return Ok((RefitTransport::Tcp, None));
     }
     let info = crate::gpu::probe().map_err(|e| {
@@ -259,8 +259,8 @@ fn resolve_transport(job: &mut rlplane_api::RLJob) -> anyhow::Result<(RefitTrans
     Ok((t, Some(info)))
 }
 
-async fn run(mut job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Option<u16>) -> Result<(), Failure> {
-    let (transport, gpus) = resolve_transport(&mut job)?;
+async fn run(job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Option<u16>) -> Result<(), Failure> {
+    let (transport, gpus) = resolve_transport(&job)?;
     let name = job.metadata.name.clone().unwrap_or_else(|| "local".into());
     let scratch = tempdir(&name)?;
     let uid = format!("local-{}-{}", std::process::id(), scratch.file_name().and_then(|s| s.to_str()).unwrap_or(""));
@@ -398,9 +398,8 @@ impl LocalRun {
         let addressing = LocalAddressing::new(&scratch);
         let mut plan = build_plan(&self.job.spec, &id, &addressing).map_err(|e| anyhow::anyhow!("{e}"))?;
         // A fresh key for each epoch, readable only by this user; the plan says where it is.
-        let key = JobAuth::generate_key()?;
         let key_path = scratch.join("job.key");
-        crate::net::write_key_file(&key_path, &key)
+        let key = crate::net::issue_key_file(&key_path)
             .with_context(|| format!("writing the job key {}", key_path.display()))?;
         plan.job.key_file = key_path.display().to_string();
         let auth = JobAuth::new(&plan.job.token, &key).counting_into(&self.refusals);

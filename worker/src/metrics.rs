@@ -130,7 +130,7 @@ impl JobLabels {
     /// differ, `none` without refit groups).
     pub fn of(plan: &WorkerPlan) -> JobLabels {
         let kinds: HashSet<&str> =
-            plan.refit_groups.iter().map(|g| transport_name(crate::refit::transport_kind(plan, g))).collect();
+            plan.refit_groups.iter().map(|g| transport_name(crate::refit::transport_kind(g))).collect();
         let transport = match kinds.len() {
             0 => "none".to_string(),
             1 => kinds.into_iter().next().unwrap_or_default().to_string(),
@@ -366,7 +366,7 @@ pub fn rank_labels(plan: &WorkerPlan, me: u32) -> (&'static str, String) {
 /// The transport label of a rank: its refit group's transport, else the job's.
 fn rank_transport(plan: &WorkerPlan, me: u32) -> String {
     match plan.refit_groups_of(me).first() {
-        Some(g) => transport_name(crate::refit::transport_kind(plan, g)).to_string(),
+        Some(g) => transport_name(crate::refit::transport_kind(g)).to_string(),
         None => JobLabels::of(plan).transport,
     }
 }

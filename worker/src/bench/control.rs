@@ -77,10 +77,8 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     let control = TcpListener::bind("127.0.0.1:0").await?;
     let raw = TcpListener::bind("127.0.0.1:0").await?;
     let names: Vec<String> = (0..args.ranks).map(|i| format!("rank-{i}")).collect();
-    let key = JobAuth::generate_key()?;
     let key_file = std::env::temp_dir().join(format!("rlplane-bench-control-{}.key", std::process::id()));
-    let _ = std::fs::remove_file(&key_file);
-    net::write_key_file(&key_file, &key).with_context(|| format!("writing {}", key_file.display()))?;
+    let key = net::issue_key_file(&key_file).with_context(|| format!("writing {}", key_file.display()))?;
     let auth = JobAuth::new(TOKEN, &key);
     let mut children = Vec::new();
     for n in &names {

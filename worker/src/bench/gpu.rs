@@ -347,8 +347,7 @@ pub async fn start(args: &GpuBenchArgs) -> anyhow::Result<Launched> {
     }
     // The peers authenticate with a fresh key in the bench's directory.
     let key_path = dir.join("job.key");
-    let _ = std::fs::remove_file(&key_path);
-    crate::net::write_key_file(&key_path, &crate::net::JobAuth::generate_key()?)?;
+    crate::net::issue_key_file(&key_path)?;
     plan.job.key_file = key_path.display().to_string();
     let plan_path = dir.join("plan.json");
     std::fs::write(&plan_path, plan.to_json())?;

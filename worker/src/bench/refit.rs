@@ -817,8 +817,7 @@ impl Harness {
         let mut plan = loopback_plan(&options, &dir)?;
         // The peers authenticate with a fresh key in the harness's directory.
         let key_path = dir.join("job.key");
-        net::write_key_file(&key_path, &JobAuth::generate_key()?)
-            .with_context(|| format!("writing {}", key_path.display()))?;
+        net::issue_key_file(&key_path).with_context(|| format!("writing {}", key_path.display()))?;
         plan.job.key_file = key_path.display().to_string();
         let plan_path = dir.join("plan.json");
         std::fs::write(&plan_path, plan.to_json())?;

@@ -835,10 +835,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     let exe = crate::proc::self_exe()?;
     let token = "bench-token".to_string();
     // Every peer authenticates with one key, in a file only this user can read.
-    let key = JobAuth::generate_key()?;
     let key_path = std::env::temp_dir().join(format!("rlplane-tqbench-{}.key", std::process::id()));
-    let _ = std::fs::remove_file(&key_path);
-    net::write_key_file(&key_path, &key).with_context(|| format!("writing {}", key_path.display()))?;
+    let key = net::issue_key_file(&key_path).with_context(|| format!("writing {}", key_path.display()))?;
     let _remove_key = RemoveOnDrop(key_path.clone());
     let key_file = key_path.display().to_string();
     let auth = JobAuth::new(&token, &key);

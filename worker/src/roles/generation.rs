@@ -63,7 +63,7 @@ pub async fn run(
     }
     let group =
         plan.refit_groups_of(me).into_iter().next().context("this generation rank is in no refit group")?.clone();
-    let kind = crate::refit::transport_kind(plan, &group);
+    let kind = crate::refit::transport_kind(&group);
     let gpu = refit_side::open_gpu(plan, me, kind)?;
     let refit_listener = refit_side::bind(plan, me, kind, false).await?;
     let tq = match coords.producer {

@@ -1,13 +1,13 @@
 //! A rank's side of refit, whatever the transport: its weights (host or GPU memory), and its
 //! sender or receiver over TCP, NCCL or CUDA IPC.
 //!
-//! Which transport a refit group uses follows `spec.refit.transport`, as resolved by the runner:
-//! `Tcp` keeps weights in host memory; `Nccl` and `CudaIpc` in GPU memory. `Auto` on GPUs follows
-//! what was measured on 4×H200 (docs/benchmarks.md): CUDA IPC for a group sharing one node with a
-//! single receiver per sender's bytes — colocated (one copy on the same GPU, 0.9 of a device
-//! copy) or one receiver (copy engines, 1.09× NCCL) — and NCCL for fan-out to several receivers,
-//! where its ring crosses each sender's link once (46 ms against 69 ms for 2 senders × 2
-//! receivers) and across nodes.
+//! Which transport a refit group uses is the plan's (`RefitGroup::transport`, resolved from
+//! `spec.refit.transport` once by `rlplane_api::topology::group_transport`): `Tcp` keeps weights in
+//! host memory; `Nccl` and `CudaIpc` in GPU memory. `Auto` on GPUs follows what was measured on
+//! 4×H200 (docs/benchmarks.md): CUDA IPC for a group sharing one node with a single receiver per
+//! sender's bytes — colocated (one copy on the same GPU, 0.9 of a device copy) or one receiver
+//! (copy engines, 1.09× NCCL) — and NCCL for fan-out to several receivers, where its ring crosses
+//! each sender's link once (46 ms against 69 ms for 2 senders × 2 receivers) and across nodes.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -75,7 +75,7 @@ pub async fn run(
 
     // The transport (and so the memory) follows the group this rank sends to, or any group.
     let kind = match group.as_ref().or(plan.refit_groups.first()) {
-        Some(g) => refit::transport_kind(plan, g),
+        Some(g) => refit::transport_kind(g),
         None => Kind::Tcp,
     };
     let gpu = refit_side::open_gpu(plan, me, kind)?;
