@@ -18,6 +18,7 @@ Writes what it saw to <report dir>/trainer-<rank>.json."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -163,12 +164,7 @@ def run_fsdp(t: rlplane.Trainer, info: Any, model: list[dict[str, Any]], device:
                 want = as_tensor(full(v, i, specs[n].dtype, specs[n].shape), specs[n].dtype)
                 report["checked"].append({"version": v, "name": n, "equal": bool(torch.equal(whole, want))})
 
-    set_version(t.initial_version)
-    report["publish"].append(_publish(t, t.initial_version))
-    for batch in t.batches():
-        set_version(batch.step)
-        report["publish"].append(_publish(t, batch.step))
-    return True
+    return _train(t, set_version, report)
 
 
 def run_fused(t: rlplane.Trainer, info: Any, tp_size: int, groups: int, report: dict) -> bool:
@@ -206,12 +202,7 @@ def run_fused(t: rlplane.Trainer, info: Any, tp_size: int, groups: int, report: 
                 p.copy_(part(v, n))
         layout.to_parts()
 
-    set_version(t.initial_version)
-    report["publish"].append(_publish(t, t.initial_version))
-    for batch in t.batches():
-        set_version(batch.step)
-        report["publish"].append(_publish(t, batch.step))
-    return True
+    return _train(t, set_version, report)
 
 
 def _tp_shape(m: dict[str, Any], info: Any) -> tuple[int, ...]:
@@ -234,9 +225,14 @@ def _strides(shape: list[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _publish(t: rlplane.Trainer, version: int) -> dict[str, Any]:
-    p = t.publish(version)
-    return {"version": p.version, "bytes": p.bytes}
+def _train(t: rlplane.Trainer, set_version: Any, report: dict) -> bool:
+    """Publishes the initial version, then each step's, each written by `set_version` first."""
+    # Lazily: the first batch comes only once the initial version is published.
+    for version in itertools.chain([t.initial_version], (batch.step for batch in t.batches())):
+        set_version(version)
+        p = t.publish(version)
+        report["publish"].append({"version": p.version, "bytes": p.bytes})
+    return True
 
 
 if __name__ == "__main__":
