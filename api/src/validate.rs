@@ -125,11 +125,25 @@ fn failure_policy(p: &crate::FailurePolicy, c: &mut Collector) {
 /// Validates a spec, returning every error found.
 pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     let mut c = Collector::default();
+    trainer_layout(spec, &mut c);
+    generation_layout(spec, &mut c);
+    images_and_templates(spec, &mut c);
+    validate_model(spec, &mut c);
+    refit_settings(spec, &mut c);
+    transfer_queue(spec, &mut c);
+    workload(spec, &mut c);
+    run_policy(spec, &mut c);
+    scheduling(spec, &mut c);
+    observability(spec, &mut c);
+    gpu_sharing(spec, &mut c);
+    network_policy(spec, &mut c);
+    c.finish()
+}
+
+/// `spec.trainer`: sizes, and a parallel layout that fills its GPUs.
+fn trainer_layout(spec: &RLJobSpec, c: &mut Collector) {
     let t = &spec.trainer;
     let p = &t.parallelism;
-    let g = &spec.generation;
-
-    // Trainer layout.
     c.range("spec.trainer.nodes", t.nodes, 1, 1024);
     c.range("spec.trainer.gpusPerNode", t.gpus_per_node, 1, 16);
     c.range("spec.trainer.parallelism.tensor", p.tensor, 1, 64);
@@ -163,8 +177,13 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
             ),
         );
     }
+}
 
-    // Generation layout.
+/// `spec.generation`: engines that fit the mode (the trainer's GPUs when colocated, whole pods when split).
+fn generation_layout(spec: &RLJobSpec, c: &mut Collector) {
+    let t = &spec.trainer;
+    let g = &spec.generation;
+    let trainer_gpus = t.nodes as u64 * t.gpus_per_node as u64;
     c.range("spec.generation.engines", g.engines, 1, 4096);
     c.range("spec.generation.tensorParallel", g.tensor_parallel, 1, 64);
     match spec.mode {
@@ -218,6 +237,12 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
             }
         }
     }
+}
+
+/// The roles' images and user pod templates.
+fn images_and_templates(spec: &RLJobSpec, c: &mut Collector) {
+    let t = &spec.trainer;
+    let g = &spec.generation;
     for (role, image) in [("trainer", &t.image), ("generation", &g.image)] {
         if let Some(i) = image
             && i.trim().is_empty()
@@ -235,11 +260,10 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
             c.err(format!("spec.{role}.template"), format!("is not a valid pod template: {e}"));
         }
     }
+}
 
-    // Model.
-    validate_model(spec, &mut c);
-
-    // Refit.
+/// `spec.refit`: buffers, alignment, timeout, and a transport the mode and device allow.
+fn refit_settings(spec: &RLJobSpec, c: &mut Collector) {
     let r = &spec.refit;
     if r.buffer_bytes.is_some() && r.buffer_memory_fraction.is_some() {
         c.err("spec.refit", "set bufferBytes or bufferMemoryFraction, not both");
@@ -272,8 +296,10 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     if spec.device == Device::Cpu && matches!(r.transport, RefitTransport::Nccl | RefitTransport::CudaIpc) {
         c.err("spec.refit.transport", format!("{:?} needs GPUs but spec.device is Cpu; use Tcp or Auto", r.transport));
     }
+}
 
-    // Transfer queue.
+/// `spec.transferQueue`.
+fn transfer_queue(spec: &RLJobSpec, c: &mut Collector) {
     let q = &spec.transfer_queue;
     if q.placement == TqPlacement::Dedicated {
         c.range("spec.transferQueue.storageUnits", q.storage_units, 1, 256);
@@ -281,8 +307,11 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     c.range("spec.transferQueue.capacityBytes", q.capacity_bytes, 1 << 20, u64::MAX);
     c.range("spec.transferQueue.leaseSeconds", q.lease_seconds, 1, 86400);
     c.range("spec.transferQueue.putTimeoutSeconds", q.put_timeout_seconds, 1, 86400);
+}
 
-    // Workload.
+/// `spec.workload`: sizes, and samples enough for every data-parallel shard.
+fn workload(spec: &RLJobSpec, c: &mut Collector) {
+    let p = &spec.trainer.parallelism;
     let w = &spec.workload;
     c.range("spec.workload.steps", w.steps, 1, 1_000_000);
     c.range("spec.workload.promptsPerStep", w.prompts_per_step, 1, 1_000_000);
@@ -306,16 +335,20 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
             ),
         );
     }
+}
 
-    // Run policy.
+/// `spec.runPolicy`.
+fn run_policy(spec: &RLJobSpec, c: &mut Collector) {
     c.range("spec.runPolicy.backoffLimit", spec.run_policy.backoff_limit, 0, 1000);
     if spec.run_policy.active_deadline_seconds == Some(0) {
         c.err("spec.runPolicy.activeDeadlineSeconds", "0 would fail the job at once; use at least 1 or remove it");
     }
     c.range("spec.runPolicy.terminationGracePeriodSeconds", spec.run_policy.termination_grace_period_seconds, 0, 3600);
-    failure_policy(&spec.run_policy.failure_policy, &mut c);
+    failure_policy(&spec.run_policy.failure_policy, c);
+}
 
-    // Scheduling.
+/// `spec.scheduling`: names the API server would refuse.
+fn scheduling(spec: &RLJobSpec, c: &mut Collector) {
     let s = &spec.scheduling;
     for (path, v) in [
         ("spec.scheduling.schedulerName", &s.scheduler_name),
@@ -328,8 +361,10 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
             c.err(path, "must be 1 to 253 characters; remove it to use the default");
         }
     }
+}
 
-    // Observability.
+/// `spec.observability`: a metrics port clear of the worker's, an OTLP URL.
+fn observability(spec: &RLJobSpec, c: &mut Collector) {
     let port = spec.observability.metrics_port;
     c.range("spec.observability.metricsPort", port, 1024, 65535);
     if RESERVED_PORTS.contains(&port) {
@@ -346,11 +381,11 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
             format!("`{e}` must be an http:// or https:// URL (e.g. http://otel-collector:4317)"),
         );
     }
+}
 
-    gpu_sharing(spec, &mut c);
-
-    // NetworkPolicy: its label selectors must be valid Kubernetes labels, or the policy's apply
-    // fails later, with a message about the NetworkPolicy instead of this field.
+/// `spec.networkPolicy`: its label selectors must be valid Kubernetes labels, or the policy's
+/// apply fails later, with a message about the NetworkPolicy instead of this field.
+fn network_policy(spec: &RLJobSpec, c: &mut Collector) {
     let np = &spec.network_policy;
     for (path, labels) in [
         ("spec.networkPolicy.metricsScraperLabels", &np.metrics_scraper_labels),
@@ -374,8 +409,6 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
             }
         }
     }
-
-    c.finish()
 }
 
 /// `spec.gpus`: a ResourceClaim needs GPUs, a DeviceClass, and no device-plugin requests beside it.
