@@ -539,46 +539,32 @@ fn shard_box(t: &TensorSpec, c: ShardCoords) -> Option<(Vec<u64>, Vec<u64>)> {
     (shape[0] > 0).then_some((offset, shape))
 }
 
+/// The sender's box of `t` ([`shard_box`]) as the part of the full tensor it sends: a contiguous
+/// byte range, or for a `Columns` split of two or more dimensions rows strided by the full row.
 fn shard_slice(t: &TensorSpec, c: ShardCoords) -> Option<Slice> {
-    let bytes = t.size_bytes();
-    let elem = t.dtype.size_bytes();
-    let outer = t.shape[0];
-    let row_bytes = bytes / outer;
-    match t.effective_split() {
-        TpSplit::Replicated if c.tp != 0 => None,
-        TpSplit::Columns if t.shape.len() >= 2 => {
-            let cols = t.shape[1];
-            let unit = t.shape[2..].iter().product::<u64>() * elem;
-            let (c0, c1) = split_range(cols, c.tp, c.tp_size);
-            let (f0, f1) = chunk_range(outer, c.fsdp, c.fsdp_size);
-            let width = (c1 - c0) * unit;
-            (f1 > f0).then_some(Slice {
-                rows: f1 - f0,
-                width,
-                src_offset: 0,
-                src_pitch: width,
-                dst_offset: f0 * row_bytes + c0 * unit,
-                dst_pitch: row_bytes,
-            })
-        }
-        split => {
-            // Dimension 0 split (or none): one contiguous byte range of the full tensor.
-            let (r0, r1) = match split {
-                TpSplit::Replicated => (0, outer),
-                _ => split_range(outer, c.tp, c.tp_size),
-            };
-            let (f0, f1) = chunk_range(r1 - r0, c.fsdp, c.fsdp_size);
-            let len = (f1 - f0) * row_bytes;
-            (len > 0).then_some(Slice {
-                rows: 1,
-                width: len,
-                src_offset: 0,
-                src_pitch: len,
-                dst_offset: (r0 + f0) * row_bytes,
-                dst_pitch: len,
-            })
-        }
+    let (offset, shape) = shard_box(t, c)?;
+    let row_bytes = t.size_bytes() / t.shape[0];
+    if t.effective_split() == TpSplit::Columns && t.shape.len() >= 2 {
+        let unit = t.shape[2..].iter().product::<u64>() * t.dtype.size_bytes();
+        let width = shape[1] * unit;
+        return Some(Slice {
+            rows: shape[0],
+            width,
+            src_offset: 0,
+            src_pitch: width,
+            dst_offset: offset[0] * row_bytes + offset[1] * unit,
+            dst_pitch: row_bytes,
+        });
     }
+    let len = shape[0] * row_bytes;
+    Some(Slice {
+        rows: 1,
+        width: len,
+        src_offset: 0,
+        src_pitch: len,
+        dst_offset: offset[0] * row_bytes,
+        dst_pitch: len,
+    })
 }
 
 /// Which part of a slice a segment takes: rows `[row0, row0 + rows)`, bytes
