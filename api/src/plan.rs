@@ -551,11 +551,10 @@ pub const JOB_KEY_SECRET_KEY: &str = "key";
 /// Path of the epoch's key inside every pod of the job.
 pub const POD_KEY_FILE: &str = "/etc/rlplane-key/key";
 
-/// Environment variable naming the key file; where set (the operator sets it to [`POD_KEY_FILE`]
-/// in the worker container) it overrides [`JobRef::key_file`]. A path in the container's
-/// environment is where whatever runs the container (a kubelet, or a test's stand-in that lays
-/// volumes out elsewhere) says the volume is.
-pub const KEY_FILE_ENV: &str = "RLPLANE_KEY_FILE";
+/// Environment variable telling the user's processes (the Python client) the directory of their
+/// pod's ipc:// sockets: the operator and `rlplane local` set it to the pod's `ipcDir`. The worker
+/// itself reads only the plan.
+pub const IPC_DIR_ENV: &str = "RLPLANE_IPC_DIR";
 
 /// Name of the Secret holding the key of a job epoch: `<job>-key-<uid>-e<epoch>`, `<uid>` being
 /// the first 8 letters and digits of the RLJob's uid. One per epoch, so a gang restart gets a new

@@ -140,28 +140,26 @@ impl Cluster {
         Ok((plan, key.0))
     }
 
-    /// For a process of this machine that plays a pod of the job (a rank of an earlier epoch,
-    /// say): an /etc/hosts-style file naming the running pods' addresses, and an address it may
-    /// bind.
-    pub async fn outsider_addresses(&self, name: &str) -> anyhow::Result<(PathBuf, String)> {
-        match &self.runner {
-            Runner::Agent(agent) => Ok((agent.hosts_file(), agent.reserve_address(name))),
+    /// For a process of this machine that plays pod `pod` of the job (a rank of an earlier
+    /// epoch, say): where it is placed ([`crate::placement`]), with the running pods' addresses
+    /// for their DNS names and an address it may bind; its volumes are the caller's to add.
+    pub async fn outsider_placement(&self, pod: &str) -> anyhow::Result<crate::placement::Placement> {
+        let (addresses, bind_host) = match &self.runner {
+            Runner::Agent(agent) => (agent.addresses(), agent.reserve_address(&format!("outsider-{pod}"))),
             Runner::RealNode(_) => {
-                let mut hosts = String::new();
+                let mut addresses = std::collections::HashMap::new();
                 for p in self.env.pods().list(&Default::default()).await?.items {
                     let Some(ip) = p.status.as_ref().and_then(|s| s.pod_ip.clone()) else { continue };
-                    let (pod, sub) = (p.name_any(), p.spec.as_ref().and_then(|s| s.subdomain.clone()));
+                    let Some(sub) = p.spec.as_ref().and_then(|s| s.subdomain.clone()) else { continue };
                     // As the plan names them: <pod>.<headless service>.<namespace>.svc.
-                    let fqdn = sub.map(|s| format!(" {pod}.{s}.{}.svc", self.env.namespace));
-                    hosts.push_str(&format!("{ip} {pod}{}\n", fqdn.unwrap_or_default()));
+                    addresses.insert(format!("{}.{sub}.{}.svc", p.name_any(), self.env.namespace), ip);
                 }
-                let file = self.dir.join(format!("{name}.hosts"));
-                std::fs::write(&file, hosts)?;
                 // Its listeners stay on this machine's loopback; it dials the pods from here,
                 // which the node's NetworkPolicy enforcement lets pass for root's connections.
-                Ok((file, "127.0.0.1".into()))
+                (addresses, "127.0.0.1".to_string())
             }
-        }
+        };
+        Ok(crate::placement::Placement { pod: pod.to_string(), addresses, bind_host, mounts: Vec::new() })
     }
 
     /// `kubectl apply -n <ns> -f manifests/<file>` (or `<file>` from the workspace's root when it

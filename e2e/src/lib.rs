@@ -12,6 +12,7 @@
 
 pub mod jobs;
 pub mod node_agent;
+pub mod placement;
 pub mod real_node;
 
 use std::collections::BTreeMap;

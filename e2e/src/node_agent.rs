@@ -12,10 +12,9 @@
 //! nothing is written outside the agent's directory. The container's first command word is
 //! mapped to a local executable (`rlplane` → the worker binary).
 //!
-//! Pods find each other the way the worker resolves peers: a hosts file
-//! ([`rlplane::pod::HOST_ALIASES_ENV`]) maps each pod's DNS name (`<hostname>.<subdomain>.<ns>.svc`)
-//! to its address, and [`rlplane::pod::BIND_HOST_ENV`] makes the pod's listeners bind its own
-//! address — seams production does not use. The agent reports into the pod status what a kubelet
+//! Pods find each other through their plan: as the agent lays out the plan's ConfigMap it writes
+//! what the pod would see through its own network and mount namespaces ([`crate::placement`]):
+//! peers' addresses for their DNS names, its own address to bind, its volumes' paths. The agent reports into the pod status what a kubelet
 //! would (Running, the pod IP, Ready from the readiness probe, container states, Succeeded or
 //! Failed with the exit codes) and, when a pod is deleted, stops its processes (SIGTERM, then
 //! SIGKILL) and finishes the deletion.
@@ -100,8 +99,8 @@ pub struct NodeAgent {
 impl NodeAgent {
     /// Starts the agent's loop for `cfg.namespace`.
     pub fn start(client: Client, cfg: NodeAgentConfig) -> anyhow::Result<NodeAgent> {
-        // Two agents in one directory overwrite each other's hosts file: one job's pods then read
-        // the other job's names and wait for peers they cannot resolve (issue 30).
+        // Two agents in one directory would mix each other's pods' volumes and logs, and one
+        // would delete what the other laid out (issue 30).
         if !ROOTS.lock().unwrap().insert(cfg.root.clone()) {
             bail!("another node agent of this process uses {} already; give each its own root", cfg.root.display());
         }
@@ -121,9 +120,9 @@ impl NodeAgent {
         &self.cfg.root
     }
 
-    /// The hosts file the pods read ([`rlplane::pod::HOST_ALIASES_ENV`]).
-    pub fn hosts_file(&self) -> PathBuf {
-        self.cfg.root.join("hosts")
+    /// Every pod DNS name seen so far → its pod's address.
+    pub fn addresses(&self) -> HashMap<String, String> {
+        self.state.lock().unwrap().addresses_by_dns_name()
     }
 
     /// The directory of the running pod `name` (its volumes under `vol/`, its logs).
@@ -291,6 +290,13 @@ async fn sync(
     Ok(())
 }
 
+impl State {
+    /// Every pod DNS name seen so far → its pod's address.
+    fn addresses_by_dns_name(&self) -> HashMap<String, String> {
+        self.hosts.iter().filter_map(|(dns, pod)| Some((dns.clone(), self.addresses.get(pod)?.clone()))).collect()
+    }
+}
+
 fn address_of(st: &mut State, pod: &str) -> String {
     if let Some(a) = st.addresses.get(pod) {
         return a.clone();
@@ -307,18 +313,35 @@ fn dns_name(p: &Pod) -> Option<String> {
     Some(format!("{}.{}.{}.svc", spec.hostname.as_ref()?, spec.subdomain.as_ref()?, p.namespace()?))
 }
 
-/// Writes the hosts file: every known DNS name → its pod's address.
-fn write_hosts(cfg: &NodeAgentConfig, st: &State) -> anyhow::Result<()> {
-    let mut text = String::from("# written by the e2e node agent: pod DNS names -> loopback addresses\n");
-    for (dns, pod) in &st.hosts {
-        if let Some(a) = st.addresses.get(pod) {
-            text.push_str(&format!("{a} {dns} {dns}.cluster.local\n"));
-        }
-    }
-    let tmp = cfg.root.join("hosts.tmp");
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, cfg.root.join("hosts"))?;
-    Ok(())
+/// The containers a pod starts: native sidecars (init containers that keep running) first.
+fn sidecars_and_containers(spec: &k8s_openapi::api::core::v1::PodSpec) -> impl Iterator<Item = &Container> {
+    let sidecars = spec.init_containers.iter().flatten().filter(|c| c.restart_policy.as_deref() == Some("Always"));
+    sidecars.chain(spec.containers.iter())
+}
+
+/// A container's volume mounts: mount path → the directory (or, with a subPath, the file) it is
+/// on this machine.
+fn container_mounts(c: &Container, volume_dirs: &HashMap<String, PathBuf>) -> Vec<(String, PathBuf)> {
+    c.volume_mounts
+        .iter()
+        .flatten()
+        .filter_map(|m| {
+            let base = volume_dirs.get(&m.name)?;
+            let path = match m.sub_path.as_deref() {
+                Some(s) if !s.is_empty() => base.join(s),
+                _ => base.clone(),
+            };
+            Some((m.mount_path.clone(), path))
+        })
+        .collect()
+}
+
+/// Rewrites a worker plan laid out from a ConfigMap (if `path` is one) for the pod placed at `at`.
+fn localize_plan_file(path: &Path, at: &crate::placement::Placement) -> anyhow::Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let Ok(mut plan) = serde_json::from_str::<rlplane_api::WorkerPlan>(&text) else { return Ok(()) };
+    crate::placement::localize_plan(&mut plan, at);
+    std::fs::write(path, plan.to_json()).with_context(|| format!("rewriting {}", path.display()))
 }
 
 async fn start_pod(
@@ -358,7 +381,12 @@ async fn start_pod(
             }
         }
         ip = address_of(&mut st, &name);
-        write_hosts(cfg, &st)?;
+        let addresses = st.addresses_by_dns_name();
+        let mounts = sidecars_and_containers(&spec).flat_map(|c| container_mounts(c, &volume_dirs)).collect();
+        let at = crate::placement::Placement { pod: name.clone(), addresses, bind_host: ip.clone(), mounts };
+        for vdir in volume_dirs.values() {
+            localize_plan_file(&vdir.join("plan.json"), &at)?;
+        }
     }
 
     // The pod's ServiceAccount credentials as a kubeconfig (kube clients read KUBECONFIG first).
@@ -386,20 +414,8 @@ async fn start_pod(
     let mut procs = Vec::new();
     let mut probe = None;
     for (c, sidecar) in sidecars.iter().map(|c| (c, true)).chain(spec.containers.iter().map(|c| (c, false))) {
-        let mounts: Vec<(String, PathBuf)> = c
-            .volume_mounts
-            .iter()
-            .flatten()
-            .filter_map(|m| {
-                let base = volume_dirs.get(&m.name)?;
-                let path = match m.sub_path.as_deref() {
-                    Some(s) if !s.is_empty() => base.join(s),
-                    _ => base.clone(),
-                };
-                Some((m.mount_path.clone(), path))
-            })
-            .collect();
-        let rewrite = |s: &str| rewrite_path(s, &mounts);
+        let mounts = container_mounts(c, &volume_dirs);
+        let rewrite = |s: &str| crate::placement::rewrite_path(s, &mounts);
         let mut words: Vec<String> =
             c.command.iter().flatten().chain(c.args.iter().flatten()).map(|w| rewrite(w)).collect();
         if words.is_empty() {
@@ -423,8 +439,6 @@ async fn start_pod(
             let value = env_value(client, ns, pod, &ip, e).await?;
             cmd.env(&e.name, rewrite(&value));
         }
-        cmd.env(rlplane::pod::HOST_ALIASES_ENV, cfg.root.join("hosts"));
-        cmd.env(rlplane::pod::BIND_HOST_ENV, &ip);
         let log = std::fs::File::create(dir.join(format!("{}.log", c.name)))?;
         cmd.stdout(log.try_clone()?).stderr(log);
         let child = cmd.spawn().with_context(|| format!("cannot start {} for container {}", words[0], c.name))?;
@@ -463,18 +477,6 @@ async fn start_pod(
         last_status: serde_json::Value::Null,
         done: false,
     })
-}
-
-/// `s` with a leading volume mount path replaced by the volume's directory (the longest match).
-fn rewrite_path(s: &str, mounts: &[(String, PathBuf)]) -> String {
-    let best = mounts
-        .iter()
-        .filter(|(m, _)| s == m || s.starts_with(&format!("{}/", m.trim_end_matches('/'))))
-        .max_by_key(|(m, _)| m.len());
-    match best {
-        Some((m, dir)) => format!("{}{}", dir.display(), &s[m.trim_end_matches('/').len()..]),
-        None => s.to_string(),
-    }
 }
 
 fn host_port(url: &str) -> (String, String) {

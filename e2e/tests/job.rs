@@ -236,7 +236,7 @@ async fn a_worker_killed_mid_job_restarts_the_gang_and_the_old_epoch_is_refused(
 /// machine against the new epoch's gang, and returns what it printed once it exited. It must exit
 /// with an error.
 async fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> anyhow::Result<String> {
-    let plan: rlplane_api::WorkerPlan = serde_json::from_str(&std::fs::read_to_string(old_plan)?)?;
+    let mut plan: rlplane_api::WorkerPlan = serde_json::from_str(&std::fs::read_to_string(old_plan)?)?;
     let pod_index = plan.pods.iter().position(|p| p.name == pod).context("the old plan names the pod")?;
     let process = plan
         .processes
@@ -244,16 +244,17 @@ async fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> 
         .find(|p| p.pod as usize == pod_index)
         .map(|p| p.name.clone())
         .context("the pod runs a process")?;
-    let (hosts, bind) = c.outsider_addresses("stale-rank").await?;
+    // An address of its own (the new pod of the same name holds the old one's), its own socket
+    // directory, and its epoch's key where the plan says the key is mounted.
+    let mut at = c.outsider_placement(pod).await?;
     let ipc = c.dir.join("stale-ipc");
     std::fs::create_dir_all(&ipc)?;
+    at.mounts = vec![(plan.pods[pod_index].ipc_dir.clone(), ipc), (plan.job.key_file.clone(), old_key.to_path_buf())];
+    rlplane_e2e::placement::localize_plan(&mut plan, &at);
+    let plan_path = c.dir.join("stale-plan.json");
+    std::fs::write(&plan_path, plan.to_json())?;
     let out = Command::new(worker_binary()?)
-        .args(["worker", "--plan", old_plan.to_str().unwrap(), "--process", &process])
-        .args(["--key-file", old_key.to_str().unwrap()])
-        .env(rlplane::pod::HOST_ALIASES_ENV, hosts)
-        // An address of its own: the new pod of the same name holds the old one's.
-        .env(rlplane::pod::BIND_HOST_ENV, bind)
-        .env(rlplane::pod::IPC_DIR_ENV, &ipc)
+        .args(["worker", "--plan", plan_path.to_str().unwrap(), "--process", &process])
         .stdin(Stdio::null())
         .output()?;
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

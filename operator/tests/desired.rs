@@ -5,7 +5,7 @@ use std::path::Path;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use rlplane_api::plan::{JOB_KEY_SECRET_KEY, KEY_FILE_ENV, POD_KEY_DIR, POD_KEY_FILE, WorkerPlan, parse_job_key};
+use rlplane_api::plan::{JOB_KEY_SECRET_KEY, POD_KEY_DIR, POD_KEY_FILE, WorkerPlan, parse_job_key};
 use rlplane_api::{RLJob, load_rljob};
 use rlplane_operator::desired::{
     DesiredError, KEY_VOLUME, OperatorConfig, PLAN_KEY, WORKER_CONTAINER, desired, labels, spec_hash,
@@ -332,9 +332,9 @@ fn each_epoch_has_its_own_key_secret_mounted_only_into_its_pods_and_never_in_the
             let mounts = worker(pod).volume_mounts.as_ref().unwrap();
             let m = mounts.iter().find(|m| m.name == KEY_VOLUME).expect("the worker mounts the key");
             assert_eq!((m.mount_path.as_str(), m.read_only), (POD_KEY_DIR, Some(true)));
+            // The plan alone says where the key is: no environment variable overrides it.
             let env = worker(pod).env.as_ref().unwrap();
-            let key_env = env.iter().find(|e| e.name == KEY_FILE_ENV).expect("the worker is told where the key is");
-            assert_eq!(key_env.value.as_deref(), Some(POD_KEY_FILE));
+            assert!(env.iter().all(|e| e.name != "RLPLANE_KEY_FILE"), "{env:?}");
         }
         assert_eq!(d.plan.job.key_file, POD_KEY_FILE, "the plan names the mounted file");
     }

@@ -431,7 +431,7 @@ impl LocalRun {
         }
         self.ui.resumed(plan.resume.clone());
         let mut sup = Supervisor::new(self.ui.sink());
-        let user_processes = self.spawn(&plan, &plan_path, &key_path, &scratch, &mut sup).await?;
+        let user_processes = self.spawn(&plan, &plan_path, &scratch, &mut sup).await?;
         let outcome = {
             let observer =
                 crate::metrics::MetricsObserver { inner: &self.ui, metrics: self.coordinator_metrics.clone() };
@@ -499,7 +499,6 @@ impl LocalRun {
         &self,
         plan: &WorkerPlan,
         plan_path: &Path,
-        key_path: &Path,
         scratch: &Path,
         sup: &mut Supervisor,
     ) -> Result<std::collections::HashSet<String>, Failure> {
@@ -519,8 +518,6 @@ impl LocalRun {
                 continue;
             }
             let mut cmd = child_command(plan_path, &p.name, library.as_deref())?;
-            // This epoch's key, whatever the calling shell's environment says.
-            cmd.env(rlplane_api::plan::KEY_FILE_ENV, key_path);
             if let Some(b) = &bases {
                 cmd.env(crate::gpu::GPU_BASE_ENV, b[p.pod as usize].to_string());
             }
@@ -611,7 +608,7 @@ fn user_commands(
                 if let Some(dir) = &c.working_dir {
                     cmd.current_dir(dir);
                 }
-                cmd.env(crate::pod::IPC_DIR_ENV, &pod.ipc_dir).env("RLPLANE_POD", &pod.name);
+                cmd.env(rlplane_api::plan::IPC_DIR_ENV, &pod.ipc_dir).env("RLPLANE_POD", &pod.name);
                 cmd.envs(spec.template_env(template));
                 if let Some(bases) = gpu_bases
                     && pod.gpus > 0

@@ -30,85 +30,23 @@ pub struct WorkerArgs {
     /// Run only this process of the plan (a rank or `coordinator`); used by the supervisor.
     #[arg(long, hide = true)]
     pub process: Option<String>,
-    /// The job epoch's key file, overriding the plan's `job.keyFile` (the operator sets it to
-    /// where the key Secret is mounted).
-    #[arg(long, env = rlplane_api::plan::KEY_FILE_ENV)]
-    pub key_file: Option<PathBuf>,
 }
 
 /// Exit code for a plan or manifest the worker cannot use.
 pub const EXIT_BAD_INPUT: u8 = 2;
 
-/// A file of `ADDRESS NAME…` lines (the /etc/hosts format) that replaces pods' DNS names in the
-/// plan with addresses. Production never sets it (pods resolve each other through the headless
-/// Service); the e2e node agent, which runs every pod of a test cluster as local processes on
-/// loopback addresses, does.
-pub const HOST_ALIASES_ENV: &str = "RLPLANE_HOST_ALIASES";
-/// The address this pod's listeners bind instead of the plan's `bindHost` (0.0.0.0). Only the
-/// e2e node agent sets it: its pods share one host and each gets its own loopback address.
-pub const BIND_HOST_ENV: &str = "RLPLANE_BIND_HOST";
-/// The directory of this pod's ipc:// sockets, instead of the plan's `ipcDir`. The operator sets
-/// it to the same path the plan names (the shared emptyDir); the e2e node agent to the pod's own
-/// directory.
-pub const IPC_DIR_ENV: &str = "RLPLANE_IPC_DIR";
-
-/// Applies [`HOST_ALIASES_ENV`], [`BIND_HOST_ENV`] and [`IPC_DIR_ENV`] to a loaded plan (the last
-/// two to pod `pod` only).
-pub fn apply_environment(plan: &mut WorkerPlan, pod: Option<&str>) -> anyhow::Result<()> {
-    if let Some(path) = std::env::var_os(HOST_ALIASES_ENV) {
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("{HOST_ALIASES_ENV}: cannot read {}", Path::new(&path).display()))?;
-        let aliases = parse_host_aliases(&text);
-        for p in &mut plan.pods {
-            if let Some(address) = aliases.get(p.host.as_str()) {
-                p.host = address.clone();
-            }
-        }
-    }
-    let Some(me) = pod.and_then(|name| plan.pods.iter_mut().find(|p| p.name == name)) else { return Ok(()) };
-    if let Ok(host) = std::env::var(BIND_HOST_ENV) {
-        me.bind_host = host;
-    }
-    if let Ok(dir) = std::env::var(IPC_DIR_ENV) {
-        me.ipc_dir = dir;
-    }
-    Ok(())
-}
-
-/// `name → address` from /etc/hosts-style lines (`#` comments, blank lines skipped).
-pub fn parse_host_aliases(text: &str) -> std::collections::HashMap<&str, String> {
-    let mut aliases = std::collections::HashMap::new();
-    for line in text.lines() {
-        let mut words = line.split('#').next().unwrap_or_default().split_whitespace();
-        let Some(address) = words.next() else { continue };
-        for name in words {
-            aliases.insert(name, address.to_string());
-        }
-    }
-    aliases
-}
-
 /// Runs `rlplane worker`.
 pub fn main(args: WorkerArgs) -> ExitCode {
     let path = args.plan.display().to_string();
-    let mut plan = match WorkerPlan::load(&path) {
+    // The plan is the whole contract: addresses, socket directory and key path were resolved
+    // once by the plan builder, and nothing here rewrites them.
+    let plan = match WorkerPlan::load(&path) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(EXIT_BAD_INPUT);
         }
     };
-    let me = match &args.process {
-        Some(name) => plan.process_index(name).map(|i| plan.pods[plan.process(i).pod as usize].name.clone()),
-        None => args.pod.clone(),
-    };
-    if let Err(e) = apply_environment(&mut plan, me.as_deref()) {
-        eprintln!("error: {e:#}");
-        return ExitCode::from(EXIT_BAD_INPUT);
-    }
-    if let Some(key_file) = &args.key_file {
-        plan.job.key_file = key_file.display().to_string();
-    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
     let result = match &args.process {
         Some(name) => rt.block_on(run_one(&plan, name)),

@@ -363,16 +363,15 @@ fn a_rank_without_its_key_file_stops_naming_the_file_the_secret_and_the_fix() {
     plan.job.key_file = missing.display().to_string();
     let plan_path = dir.path().join("plan.json");
     std::fs::write(&plan_path, plan.to_json()).unwrap();
-    // The container's environment (RLPLANE_KEY_FILE, set by the operator) overrides the plan.
+    // The plan alone names the key file: a RLPLANE_KEY_FILE in the environment changes nothing.
     let elsewhere = dir.path().join("mounted-elsewhere");
-    for (process, env, named) in
-        [("gen-0", None, &missing), ("coordinator", None, &missing), ("gen-0", Some(&elsewhere), &elsewhere)]
-    {
+    for (process, env) in [("gen-0", None), ("coordinator", None), ("gen-0", Some(&elsewhere))] {
+        let named = &missing;
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rlplane"));
         cmd.args(["worker", "--plan"]).arg(&plan_path).args(["--process", process]);
         match env {
-            Some(path) => cmd.env(rlplane_api::plan::KEY_FILE_ENV, path),
-            None => cmd.env_remove(rlplane_api::plan::KEY_FILE_ENV),
+            Some(path) => cmd.env("RLPLANE_KEY_FILE", path),
+            None => cmd.env_remove("RLPLANE_KEY_FILE"),
         };
         let out = cmd.output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

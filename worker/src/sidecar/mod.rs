@@ -310,7 +310,7 @@ impl Link {
                 "binding the local API socket {}{}",
                 path.display(),
                 if path.as_os_str().len() > 107 {
-                    " (a Unix socket's path is at most 107 bytes: use a shorter RLPLANE_IPC_DIR)"
+                    " (a Unix socket's path is at most 107 bytes: the plan's pods[].ipcDir must be shorter)"
                 } else {
                     ""
                 }
