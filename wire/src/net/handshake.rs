@@ -1,276 +1,20 @@
-//! TCP plumbing shared by every rlplane protocol (refit, transfer queue, control, fan-out):
-//! deadlines, connecting with backoff, length-prefixed frames and the authenticated handshake.
-//!
-//! Every connection starts with a handshake that proves both sides hold the job epoch's key
-//! ([`JobAuth`]) without sending it:
-//!
-//! 1. connecting side → one frame: [`Hello`] (4-byte protocol magic, protocol version, the job
-//!    token, the peer's name, protocol bytes) and a fresh [`NONCE_LEN`]-byte nonce;
-//! 2. accepting side: if magic, version or token differ, [`HELLO_REFUSED`] and the reason (a rank
-//!    of another epoch or job is told so); else [`HELLO_CHALLENGE`], its own fresh nonce and its
-//!    proof `HMAC-SHA256(key, label_s ‖ len ‖ hello ‖ nonce_s)`;
-//! 3. connecting side: checks that proof (else refuses the listener, [`HELLO_REFUSED`] + reason),
-//!    then [`HELLO_OK`] and its proof `HMAC-SHA256(key, label_c ‖ len ‖ hello ‖ nonce_s)`;
-//! 4. accepting side: checks it, then the protocol's own checks, and answers [`HELLO_OK`] or
-//!    [`HELLO_REFUSED`] + reason.
-//!
-//! Both proofs cover both nonces (the client's is inside the hello), so a recorded handshake
-//! replayed to either side fails; the labels differ, so one side's proof never passes as the
-//! other's. Nothing a peer sends is acted on before its proof checks out, and every refusal is
-//! counted ([`Refusals`]). The same steps run on the CUDA IPC control channel's Unix socket
-//! ([`accept_hello_on`], [`send_hello`]).
+//! The authenticated handshake every connection starts with (see the [`super`] module docs):
+//! the hello, each side's HMAC-SHA256 proof over both nonces, and the refusals counted.
 
 use std::collections::BTreeMap;
 use std::io;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use ring::hmac;
 use ring::rand::SecureRandom;
 use rlplane_api::WorkerPlan;
 use rlplane_api::plan::{JOB_KEY_LEN, parse_job_key};
-
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-/// Errors of the shared plumbing. Each names the peer and what was being done.
-#[derive(Debug, thiserror::Error)]
-pub enum NetError {
-    /// A wait ran past its deadline.
-    #[error("timed out after {secs:.1}s {what} (peer {peer})")]
-    Timeout {
-        /// What was being waited for.
-        what: String,
-        /// Peer address or name.
-        peer: String,
-        /// Seconds waited.
-        secs: f64,
-    },
-    /// An I/O error.
-    #[error("{what} (peer {peer}): {source}")]
-    Io {
-        /// What was being done.
-        what: String,
-        /// Peer address or name.
-        peer: String,
-        /// Cause.
-        source: io::Error,
-    },
-    /// The peer closed the connection.
-    #[error("peer {peer} closed the connection while {what}")]
-    Closed {
-        /// What was being done.
-        what: String,
-        /// Peer.
-        peer: String,
-    },
-    /// The peer spoke another protocol, version, job or epoch, or sent a malformed frame.
-    #[error("peer {peer} refused: {reason}")]
-    Refused {
-        /// Peer.
-        peer: String,
-        /// Why.
-        reason: String,
-    },
-}
-
-impl NetError {
-    /// Wraps an I/O error, turning EOF and resets into [`NetError::Closed`] (a dead peer).
-    pub fn io(what: impl Into<String>, peer: impl Into<String>, source: io::Error) -> NetError {
-        let what = what.into();
-        let peer = peer.into();
-        match source.kind() {
-            io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::BrokenPipe => NetError::Closed { what, peer },
-            _ => NetError::Io { what, peer, source },
-        }
-    }
-}
-
-/// Runs `fut` until `deadline`, naming what timed out; says every few seconds that it still waits
-/// ([`crate::patience::wait_reporting`]).
-pub async fn until<T, E>(
-    deadline: Instant,
-    what: &str,
-    peer: &str,
-    fut: impl Future<Output = Result<T, E>>,
-) -> Result<T, NetError>
-where
-    E: Into<NetError>,
-{
-    match crate::patience::wait_reporting(deadline, || format!("{what} with {peer}"), fut).await {
-        Ok(r) => r.map_err(Into::into),
-        Err(waited) => Err(NetError::Timeout { what: what.into(), peer: peer.into(), secs: waited.as_secs_f64() }),
-    }
-}
-
-impl From<std::convert::Infallible> for NetError {
-    fn from(e: std::convert::Infallible) -> Self {
-        match e {}
-    }
-}
-
-/// Tunes a data socket: no Nagle delay, large kernel buffers for bulk streams.
-pub fn tune(stream: &TcpStream) {
-    let _ = stream.set_nodelay(true);
-    let sock = socket2::SockRef::from(stream);
-    let _ = sock.set_send_buffer_size(8 << 20);
-    let _ = sock.set_recv_buffer_size(8 << 20);
-}
-
-/// Connects to `addr`, retrying with backoff (10 ms doubling to 500 ms) until `deadline`: the
-/// peer may not be listening yet (pods and processes start in any order).
-pub async fn connect_retry(addr: &str, deadline: Instant, what: &str) -> Result<TcpStream, NetError> {
-    let start = Instant::now();
-    let mut backoff = Duration::from_millis(10);
-    let mut report = start + crate::patience::REPORT_EVERY;
-    loop {
-        let attempt = tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await;
-        if let Ok(Err(e)) = &attempt
-            && Instant::now() >= report
-        {
-            // The peer may legitimately start late; a peer that never does must not go unseen.
-            tracing::warn!(
-                peer = addr,
-                waited_s = start.elapsed().as_secs(),
-                timeout_in_s = deadline.saturating_duration_since(Instant::now()).as_secs(),
-                "still connecting for {what}: {e}"
-            );
-            report += crate::patience::REPORT_EVERY;
-        }
-        match attempt {
-            Ok(Ok(s)) => {
-                tune(&s);
-                return Ok(s);
-            }
-            Ok(Err(e)) if Instant::now() + backoff >= deadline => {
-                return Err(NetError::Timeout {
-                    what: format!("connecting for {what} (last error: {e})"),
-                    peer: addr.into(),
-                    secs: start.elapsed().as_secs_f64(),
-                });
-            }
-            Ok(Err(_)) => {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-            }
-            Err(_) => {
-                return Err(NetError::Timeout {
-                    what: format!("connecting for {what}"),
-                    peer: addr.into(),
-                    secs: start.elapsed().as_secs_f64(),
-                });
-            }
-        }
-    }
-}
-
-/// Binds a listener, with an error that names the address and the role.
-pub async fn bind(addr: &str, what: &str) -> Result<TcpListener, NetError> {
-    TcpListener::bind(addr).await.map_err(|e| NetError::Io {
-        what: format!("binding {addr} for {what}"),
-        peer: addr.into(),
-        source: e,
-    })
-}
-
-/// Accepts connections on `listener` until it fails, handing each (tuned) to `handle` on its own
-/// task. Accept errors that say nothing about the listener (out of file descriptors, a peer that
-/// reset before it was accepted) are logged and retried shortly, so the connections that exist
-/// keep being served. `what` names the clients in logs and errors ("storage clients").
-pub async fn serve_connections<F, Fut>(listener: TcpListener, what: &str, handle: F) -> Result<(), NetError>
-where
-    F: Fn(TcpStream) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
-    loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                tune(&stream);
-                tokio::spawn(handle(stream));
-            }
-            Err(e) if is_transient_accept_error(&e) => {
-                tracing::warn!(error = %e, addr = %local, "accepting {what} failed; retrying");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => return Err(NetError::io(format!("accepting {what}"), local.as_str(), e)),
-        }
-    }
-}
-
-/// Reserves a loopback port for a service that a process started later will bind: a listener
-/// holding it, to be dropped just before that process binds (holding it keeps two services of
-/// one plan from getting the same port).
-///
-/// The port is taken below the system's ephemeral range where the system says where that is
-/// (`ip_local_port_range`): a port from that range — what binding port 0 gives — can be grabbed
-/// by any outgoing connection between the drop and the bind, and a starting job opens many.
-pub fn reserve_loopback_port() -> io::Result<std::net::TcpListener> {
-    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(0);
-    if ephemeral_start > 12_000 {
-        for _ in 0..256 {
-            let port = rand::random_range(10_000..ephemeral_start);
-            if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
-                return Ok(l);
-            }
-        }
-    }
-    std::net::TcpListener::bind("127.0.0.1:0")
-}
-
-/// Accept errors that say nothing about the listener itself (too many open files, a peer that
-/// reset before it was accepted): a server keeps accepting after them.
-pub fn is_transient_accept_error(e: &io::Error) -> bool {
-    use std::io::ErrorKind::*;
-    matches!(e.kind(), ConnectionAborted | ConnectionReset | Interrupted | WouldBlock)
-        || matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
-}
-
-/// Largest control frame accepted; bulk payloads are streamed, never framed whole.
-pub const MAX_FRAME: u32 = 64 << 20;
-
-/// Frames up to this size go out in one write (one segment with TCP_NODELAY, so one wake-up of
-/// the reader) rather than length and bytes separately.
-const SMALL_FRAME: usize = 64 << 10;
-
-/// Writes one frame: a little-endian u32 length, then the bytes.
-pub async fn write_frame<W: AsyncWriteExt + Unpin>(w: &mut W, payload: &[u8]) -> io::Result<()> {
-    let len =
-        u32::try_from(payload.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
-    if payload.len() <= SMALL_FRAME {
-        let mut buf = Vec::with_capacity(4 + payload.len());
-        buf.extend_from_slice(&len.to_le_bytes());
-        buf.extend_from_slice(payload);
-        return w.write_all(&buf).await;
-    }
-    w.write_all(&len.to_le_bytes()).await?;
-    w.write_all(payload).await
-}
-
-/// Reads one frame into `buf` (reusing its allocation), refusing frames over `max` bytes.
-pub async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>, max: u32) -> io::Result<()> {
-    let mut len = [0u8; 4];
-    r.read_exact(&mut len).await?;
-    let len = u32::from_le_bytes(len);
-    if len > max {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes exceeds the limit of {max}"),
-        ));
-    }
-    buf.clear();
-    buf.resize(len as usize, 0);
-    r.read_exact(buf).await?;
-    Ok(())
-}
+use super::{KeyError, NetError, read_frame, until, write_frame};
 
 /// Byte the accepting side sends when it accepts a [`Hello`] (and the connecting side before its
 /// proof, once the accepting side has proven itself).
@@ -308,14 +52,14 @@ pub struct Hello {
 
 /// A hello as it travels: magic, version, then length-prefixed token, peer, extra and nonce.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct WireHello {
-    hello: Hello,
-    token: String,
-    nonce: Vec<u8>,
+pub(super) struct WireHello {
+    pub(super) hello: Hello,
+    pub(super) token: String,
+    pub(super) nonce: Vec<u8>,
 }
 
 impl WireHello {
-    fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let h = &self.hello;
         let mut v = Vec::with_capacity(22 + self.token.len() + h.peer.len() + h.extra.len() + self.nonce.len());
         v.extend_from_slice(&h.magic);
@@ -327,7 +71,7 @@ impl WireHello {
         v
     }
 
-    fn decode(b: &[u8]) -> Result<WireHello, String> {
+    pub(super) fn decode(b: &[u8]) -> Result<WireHello, String> {
         if b.len() < 6 {
             return Err("hello shorter than its header".into());
         }
@@ -387,63 +131,6 @@ impl Refusals {
     pub fn total(&self) -> u64 {
         self.snapshot().iter().map(|(_, n)| n).sum()
     }
-}
-
-/// Why a job key could not be loaded. Names the file and the fix; never shows the key.
-#[derive(Debug, thiserror::Error)]
-pub enum KeyError {
-    /// The key file could not be read.
-    #[error(
-        "cannot read the job key {path}: {source}; in a cluster the operator mounts the Secret `{secret}` \
-         there (check that it exists and the pod's `job-key` volume); elsewhere write a key there, e.g. \
-         `openssl rand -hex {len} > {path}`"
-    )]
-    Read {
-        /// Path of the key file.
-        path: String,
-        /// The Secret that should hold it.
-        secret: String,
-        /// Key length in bytes.
-        len: usize,
-        /// Cause.
-        source: io::Error,
-    },
-    /// The key file holds no usable key.
-    #[error("the job key {path} is not a key: {reason}; write one with `openssl rand -hex {len} > {path}`")]
-    Malformed {
-        /// Path of the key file.
-        path: String,
-        /// What is wrong.
-        reason: String,
-        /// Key length in bytes.
-        len: usize,
-    },
-    /// The system's random source failed.
-    #[error("the system random source failed ({0})")]
-    Random(String),
-}
-
-/// A fresh key ([`JobAuth::generate_key`]) written to a new file at `path` as
-/// [`write_key_file`] writes it, after removing any file there: how `rlplane local` and the
-/// benchmarks give their processes an epoch's key.
-pub fn issue_key_file(path: &Path) -> io::Result<[u8; JOB_KEY_LEN]> {
-    let key = JobAuth::generate_key().map_err(io::Error::other)?;
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    write_key_file(path, &key)?;
-    Ok(key)
-}
-
-/// Writes `key` (as [`rlplane_api::plan::encode_job_key`] text) to a new file at `path` that only
-/// this user can read: mode 0600 from its creation, so the key is never readable by others, not
-/// even briefly. Fails if the file exists.
-pub fn write_key_file(path: &Path, key: &[u8; JOB_KEY_LEN]) -> io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
-    f.write_all(rlplane_api::plan::encode_job_key(key).as_bytes())
 }
 
 /// What a process proves and checks on every handshake: the job epoch's token (an identifier, so
@@ -779,125 +466,4 @@ pub async fn accept_hello_on<S: AsyncReadExt + AsyncWriteExt + Unpin>(
         }
     })
     .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn hello() -> Hello {
-        Hello { magic: *b"TEST", version: 1, peer: "p".into(), extra: vec![1, 2, 3] }
-    }
-
-    fn auth(token: &str, seed: u8) -> JobAuth {
-        JobAuth::new(token, &[seed; JOB_KEY_LEN])
-    }
-
-    #[test]
-    fn hello_round_trips_and_rejects_truncation() {
-        let w = WireHello { hello: hello(), token: "e0-abc".into(), nonce: vec![7; NONCE_LEN] };
-        let b = w.encode();
-        assert_eq!(WireHello::decode(&b).unwrap(), w);
-        for cut in 0..b.len() {
-            assert!(WireHello::decode(&b[..cut]).is_err(), "cut at {cut}");
-        }
-    }
-
-    #[test]
-    fn a_hello_without_a_nonce_says_the_peer_is_too_old() {
-        let w = WireHello { hello: hello(), token: "e0-abc".into(), nonce: vec![] };
-        let mut b = w.encode();
-        b.truncate(b.len() - 4);
-        let err = auth("e0-abc", 1).open_hello(&b, *b"TEST", 1).unwrap_err();
-        assert!(err.contains("no nonce") && err.contains("matching worker images"), "{err}");
-    }
-
-    #[test]
-    fn proofs_need_the_key_and_are_bound_to_both_nonces_and_a_side() {
-        let (good, other) = (auth("e1-x", 1), auth("e1-x", 2));
-        let c = good.client_hello(&hello()).unwrap();
-        let (_, challenge) = good.open_hello(c.bytes(), *b"TEST", 1).unwrap();
-        // Without the key the listener's proof fails, and the client's proof fails at the listener.
-        assert!(c.answer(&other, challenge.bytes()).is_err());
-        let forged = other.client_hello(&hello()).unwrap();
-        let (_, ch2) = good.open_hello(forged.bytes(), *b"TEST", 1).unwrap();
-        let bad_proof = forged.answer(&other, &{
-            // The forger can only sign with its own key.
-            let (_, mine) = other.open_hello(forged.bytes(), *b"TEST", 1).unwrap();
-            *mine.bytes()
-        });
-        assert!(ch2.verify(&good, &bad_proof.unwrap()).is_err());
-        // The right proof passes once; the same proof against a fresh challenge (a replay) fails.
-        let proof = c.answer(&good, challenge.bytes()).unwrap();
-        challenge.verify(&good, &proof).unwrap();
-        let (_, fresh) = good.open_hello(c.bytes(), *b"TEST", 1).unwrap();
-        assert!(fresh.verify(&good, &proof).is_err(), "a replayed proof must fail");
-        // A listener's proof is not a client's proof.
-        assert!(challenge.verify(&good, &challenge.bytes()[NONCE_LEN..]).is_err());
-        assert_eq!(good.refusals().total(), 3);
-        assert_eq!(other.refusals().total(), 1);
-        assert!(!format!("{good:?}").contains("1, 1"), "Debug never shows the key");
-    }
-
-    async fn handshake(client: JobAuth, server: JobAuth) -> (Result<(), NetError>, Result<Hello, NetError>) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let server = tokio::spawn(async move {
-            let (mut s, _) = l.accept().await.unwrap();
-            accept_hello(&mut s, &server, *b"TEST", 1, deadline, |_| Ok(())).await
-        });
-        let mut c = connect_retry(&addr, deadline, "test").await.unwrap();
-        let client = send_hello(&mut c, &client, &hello(), deadline, &addr).await;
-        (client, server.await.unwrap())
-    }
-
-    #[tokio::test]
-    async fn token_mismatch_is_refused_with_the_reason_on_both_sides() {
-        let (server_auth, stale) = (auth("e1-good", 1), auth("e0-stale", 0));
-        let (c, s) = handshake(stale, server_auth.clone()).await;
-        assert!(c.unwrap_err().to_string().contains("another job or epoch"));
-        assert!(matches!(s.unwrap_err(), NetError::Refused { .. }));
-        assert_eq!(server_auth.refusals().snapshot(), vec![("TEST".to_string(), 1)]);
-    }
-
-    #[tokio::test]
-    async fn the_right_token_without_the_key_is_refused_on_both_sides() {
-        let (server_auth, keyless) = (auth("e1-good", 1), auth("e1-good", 9));
-        let (c, s) = handshake(keyless.clone(), server_auth.clone()).await;
-        let (c, s) = (c.unwrap_err().to_string(), s.unwrap_err().to_string());
-        assert!(c.contains("did not prove it holds this job epoch's key"), "{c}");
-        assert!(s.contains("the peer refused this side"), "{s}");
-        assert_eq!(keyless.refusals().total(), 1);
-        let (ok_c, ok_s) = handshake(server_auth.clone(), server_auth.clone()).await;
-        ok_c.unwrap();
-        assert_eq!(ok_s.unwrap().peer, "p");
-    }
-
-    #[tokio::test]
-    async fn connect_retry_times_out_naming_the_peer() {
-        // A port that nothing listens on: bind then drop.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let addr = format!("127.0.0.1:{port}");
-        let err = connect_retry(&addr, Instant::now() + Duration::from_millis(200), "refit").await.unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.contains(&addr) && msg.contains("refit"), "{msg}");
-    }
-
-    #[test]
-    fn a_missing_or_malformed_key_file_names_the_file_and_the_fix() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("key");
-        let err = JobAuth::load("t", &path, "job-key-e0").unwrap_err().to_string();
-        assert!(
-            err.contains(&path.display().to_string()) && err.contains("job-key-e0") && err.contains("openssl"),
-            "{err}"
-        );
-        std::fs::write(&path, "not a key").unwrap();
-        let err = JobAuth::load("t", &path, "job-key-e0").unwrap_err().to_string();
-        assert!(err.contains("is not a key") && err.contains("64 hexadecimal"), "{err}");
-        let key = JobAuth::generate_key().unwrap();
-        std::fs::write(&path, rlplane_api::plan::encode_job_key(&key)).unwrap();
-        assert_eq!(JobAuth::load("t", &path, "job-key-e0").unwrap().token(), "t");
-    }
 }
