@@ -10,6 +10,8 @@
 //! it shares GPU `g` with trainer rank `g`; in Split mode it runs in generation pod
 //! `g / generation.gpusPerNode`.
 
+use std::collections::BTreeMap;
+
 use crate::plan::{
     FanoutGroup, GenerationCoords, GroupTransport, JobRef, Layout, PLAN_FORMAT_VERSION, POD_KEY_FILE, PodEntry,
     PodRole, ProcessEntry, ProcessPorts, ProcessRole, RefitGroup, StorageUnitEntry, TrainerCoords, WorkerPlan,
@@ -116,6 +118,56 @@ pub fn group_transport(spec: &RLJobSpec, same_node: bool, receivers: usize) -> G
     }
 }
 
+/// What [`colocated_refit_groups`] needs of a colocated job's layout: trainer rank `r` and
+/// generation rank `r` share GPU slot `r % gpus_per_pod` of pod `r / gpus_per_pod`.
+struct ColocatedLayout<'a> {
+    pods: u32,
+    gpus_per_pod: u32,
+    replicas: u32,
+    fsdp: u32,
+    generation_ranks: u32,
+    /// The trainer ranks that send a replica's shards (its shard group's, context index 0).
+    senders_of_replica: &'a dyn Fn(u32) -> Vec<u32>,
+    /// A trainer rank's data-parallel index.
+    trainer_dp: &'a dyn Fn(u32) -> u32,
+}
+
+/// One colocated refit group before process indices: senders are trainer ranks, receivers
+/// generation ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ColocatedGroup {
+    name: String,
+    senders: Vec<u32>,
+    generation_ranks: Vec<u32>,
+}
+
+/// Colocated refit groups, or None where some pod holds no whole replica (one group for the job
+/// then). Each engine rank takes the weights from the replica whose trainer rank shares its GPU
+/// (the pod's first whole replica where that one spans pods), so every data-parallel replica of
+/// a pod serves bytes: each GPU copies its own shard locally and pulls the other shards once over
+/// NVLink, and no GPU sends the same bytes to more engines than its replica holds. With one
+/// replica per pod a group is `refit-pod<p>`; with several, `refit-pod<p>-replica<r>`.
+fn colocated_refit_groups(l: &ColocatedLayout) -> Option<Vec<ColocatedGroup>> {
+    let mut groups = Vec::new();
+    for pod in 0..l.pods {
+        let in_pod = |ranks: &[u32]| ranks.iter().all(|&r| r / l.gpus_per_pod == pod);
+        let whole: Vec<u32> = (0..l.replicas).filter(|&rep| in_pod(&(l.senders_of_replica)(rep))).collect();
+        let first = *whole.first()?;
+        let mut receivers: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        for gr in (0..l.generation_ranks).filter(|gr| gr / l.gpus_per_pod == pod) {
+            let home = (l.trainer_dp)(gr) / l.fsdp;
+            let replica = if whole.contains(&home) { home } else { first };
+            receivers.entry(replica).or_default().push(gr);
+        }
+        let several = receivers.len() > 1;
+        for (replica, generation_ranks) in receivers {
+            let name = if several { format!("refit-pod{pod}-replica{replica}") } else { format!("refit-pod{pod}") };
+            groups.push(ColocatedGroup { name, senders: (l.senders_of_replica)(replica), generation_ranks });
+        }
+    }
+    Some(groups)
+}
+
 /// Builds the plan of a job epoch. Validates the spec first and returns every error.
 pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> Result<WorkerPlan, ValidationErrors> {
     validate(spec)?;
@@ -155,11 +207,6 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
     for k in 0..storage_pods {
         add_pod(PodRole::Storage, k, 0);
     }
-    let trainer_pod = |r: u32| r / gpn;
-    let gen_pod = |gr: u32| match spec.mode {
-        Mode::Colocated => gr / gpn,
-        Mode::Split => t.nodes + gr / gen_pod_gpus,
-    };
     let gen_gpu = |gr: u32| match spec.mode {
         Mode::Colocated => gr % gpn,
         Mode::Split => gr % gen_pod_gpus,
@@ -191,20 +238,24 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
         RefitSource::Gathered => vec![0],
     };
 
-    // Colocated: per-pod refit groups when every pod holds a whole replica (cp = 0) of its own.
-    let per_pod_senders: Option<Vec<Vec<u32>>> = if spec.mode == Mode::Colocated
-        && spec.refit.source == RefitSource::Sharded
-    {
-        (0..t.nodes)
-            .map(|pod| (0..replicas).map(senders_of_replica).find(|ranks| ranks.iter().all(|&r| trainer_pod(r) == pod)))
-            .collect()
+    let colocated_groups = if spec.mode == Mode::Colocated && spec.refit.source == RefitSource::Sharded {
+        let trainer_dp = |r: u32| coords(r).dp;
+        colocated_refit_groups(&ColocatedLayout {
+            pods: t.nodes,
+            gpus_per_pod: gpn,
+            replicas,
+            fsdp: p.fsdp,
+            generation_ranks: gen_world,
+            senders_of_replica: &senders_of_replica,
+            trainer_dp: &trainer_dp,
+        })
     } else {
         None
     };
     let is_sender: Vec<bool> = {
         let mut v = vec![false; trainer_world as usize];
-        match &per_pod_senders {
-            Some(groups) => groups.iter().flatten().for_each(|&r| v[r as usize] = true),
+        match &colocated_groups {
+            Some(groups) => groups.iter().flat_map(|g| &g.senders).for_each(|&r| v[r as usize] = true),
             None => global_senders.iter().for_each(|&r| v[r as usize] = true),
         }
         v
@@ -329,14 +380,12 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
         let transport = group_transport(spec, same_node, receivers.len());
         RefitGroup { name, same_node, senders, receivers, transport }
     };
-    let refit_groups = match &per_pod_senders {
+    let refit_groups = match &colocated_groups {
         Some(groups) => groups
             .iter()
-            .enumerate()
-            .map(|(pod, senders)| {
-                let receivers =
-                    (0..gen_world).filter(|&gr| gen_pod(gr) == pod as u32).map(|gr| gen_proc[gr as usize]).collect();
-                make_group(format!("refit-pod{pod}"), senders, receivers)
+            .map(|g| {
+                let receivers = g.generation_ranks.iter().map(|&gr| gen_proc[gr as usize]).collect();
+                make_group(g.name.clone(), &g.senders, receivers)
             })
             .collect(),
         None => vec![make_group("refit".into(), &global_senders, gen_proc.clone())],

@@ -365,6 +365,40 @@ fn hybrid_sharded_colocated_pods_refit_from_their_own_shard_group() {
     }
 }
 
+/// Issue 25: colocated on 4 GPUs (trainer TP 2 × DP 2, four engines), each engine takes its
+/// weights from the replica on its own GPU and its neighbour, so both replicas serve bytes and
+/// no GPU sends its shard to more than one other GPU.
+#[test]
+fn colocated_engines_refit_from_the_replica_that_shares_their_gpus() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../manifests/rljob-gpu-colocated-4.yaml"))
+        .unwrap();
+    let job = load_rljob(&text).unwrap();
+    let p = build_plan(&job.spec, &id(0), &ClusterAddressing { job: "j".into(), namespace: "ns".into() }).unwrap();
+    let gpu = |i: u32| p.process(i).gpu.unwrap();
+    let groups: Vec<(&str, Vec<u32>, Vec<u32>)> = p
+        .refit_groups
+        .iter()
+        .map(|g| {
+            (
+                g.name.as_str(),
+                g.senders.iter().map(|&i| gpu(i)).collect(),
+                g.receivers.iter().map(|&i| gpu(i)).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        groups,
+        [("refit-pod0-replica0", vec![0, 1], vec![0, 1]), ("refit-pod0-replica1", vec![2, 3], vec![2, 3])],
+        "sender and receiver GPUs of each group"
+    );
+    // Every engine rank is refitted by exactly one group.
+    let mut receivers: Vec<u32> = p.refit_groups.iter().flat_map(|g| g.receivers.clone()).collect();
+    receivers.sort();
+    let mut all = p.generation_ranks();
+    all.sort();
+    assert_eq!(receivers, all);
+}
+
 #[test]
 fn each_refit_group_carries_its_transport_resolved_once() {
     use rlplane_api::plan::GroupTransport;
