@@ -1,8 +1,9 @@
-//! Benchmarks: `rlplane bench refit` and `rlplane bench tq`. Each runs its peers as separate
+//! Benchmarks: `rlplane bench refit`, `tq`, `control`, and the refit link model `layout`. Each runs its peers as separate
 //! processes on loopback and prints ratios against a reference measured in the same run.
 
 pub mod control;
 pub mod gpu;
+pub mod layout;
 pub mod refit;
 pub mod tq;
 
@@ -17,6 +18,8 @@ pub enum BenchCommand {
     Tq(tq::Args),
     /// Control-plane dispatch latency against a raw TCP ping-pong between the same processes.
     Control(control::Args),
+    /// What a manifest's refit makes every GPU's links carry, and the refit time that predicts.
+    Layout(layout::Args),
 }
 
 /// Hidden entry points of the processes a benchmark or test spawns.
@@ -38,6 +41,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Refit(a) => refit::run(a),
         BenchCommand::Tq(a) => tq::run(a),
         BenchCommand::Control(a) => control::run(a),
+        BenchCommand::Layout(a) => layout::run(a),
     }
 }
 
