@@ -17,7 +17,7 @@ use crate::plan::{
     PodRole, ProcessEntry, ProcessPorts, ProcessRole, RefitGroup, StorageUnitEntry, TrainerCoords, WorkerPlan,
     job_token, ports,
 };
-use crate::spec::{Device, Mode, RLJobSpec, RefitSource, RefitTransport, TqPlacement};
+use crate::spec::{Device, Mode, Parallelism, RLJobSpec, RefitSource, RefitTransport, TqPlacement};
 use crate::validate::{ValidationErrors, validate};
 
 /// Identity of the job instance a plan is built for.
@@ -171,263 +171,20 @@ fn colocated_refit_groups(l: &ColocatedLayout) -> Option<Vec<ColocatedGroup>> {
 /// Builds the plan of a job epoch. Validates the spec first and returns every error.
 pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> Result<WorkerPlan, ValidationErrors> {
     validate(spec)?;
-    let t = &spec.trainer;
-    let p = &t.parallelism;
-    let g = &spec.generation;
-    let gpu = spec.device == Device::Gpu;
-    let trainer_world = t.nodes * t.gpus_per_node;
-    let gen_world = g.engines * g.tensor_parallel;
-    let gpn = t.gpus_per_node;
-
-    // Pods.
-    let mut pods = Vec::new();
-    let mut add_pod = |role: PodRole, index: u32, gpus: u32| {
-        let name = pod_name(&id.name, role, index);
-        pods.push(PodEntry {
-            host: addr.host(&name),
-            bind_host: addr.bind_host(&name),
-            ipc_dir: addr.ipc_dir(&name),
-            private_ipc: addr.private_ipc(&name),
-            name,
-            role,
-            index,
-            gpus: if gpu { gpus } else { 0 },
-        });
-    };
-    for i in 0..t.nodes {
-        add_pod(PodRole::Trainer, i, gpn);
-    }
-    let gen_pod_gpus = g.pod_gpus();
-    let gen_pods = if spec.mode == Mode::Split { gen_world / gen_pod_gpus } else { 0 };
-    for j in 0..gen_pods {
-        add_pod(PodRole::Generation, j, gen_pod_gpus);
-    }
-    let dedicated = spec.transfer_queue.placement == TqPlacement::Dedicated;
-    let storage_pods = if dedicated { spec.transfer_queue.storage_units } else { 0 };
-    for k in 0..storage_pods {
-        add_pod(PodRole::Storage, k, 0);
-    }
-    let gen_gpu = |gr: u32| match spec.mode {
-        Mode::Colocated => gr % gpn,
-        Mode::Split => gr % gen_pod_gpus,
-    };
-
-    let coords = |r: u32| {
-        let tp = r % p.tensor;
-        let cp = (r / p.tensor) % p.context;
-        let dp = (r / (p.tensor * p.context)) % p.data;
-        let pp = r / (p.tensor * p.context * p.data);
-        TrainerCoords { rank: r, tp, pp, cp, dp, leader: tp == 0 && cp == 0 && pp == 0 }
-    };
-    // A replica is one shard group: `fsdp` consecutive data-parallel ranks that together hold
-    // every parameter once (one rank when the trainer does not shard over data).
-    let senders_of_replica = |replica: u32| -> Vec<u32> {
-        let mut v = Vec::new();
-        for pp in 0..p.pipeline {
-            for dp in replica * p.fsdp..(replica + 1) * p.fsdp {
-                for tp in 0..p.tensor {
-                    v.push(tp + p.tensor * (p.context * (dp + p.data * pp)));
-                }
-            }
-        }
-        v
-    };
-    let replicas = p.data / p.fsdp;
-    let global_senders: Vec<u32> = match spec.refit.source {
-        RefitSource::Sharded => senders_of_replica(0),
-        RefitSource::Gathered => vec![0],
-    };
-
-    let colocated_groups = if spec.mode == Mode::Colocated && spec.refit.source == RefitSource::Sharded {
-        let trainer_dp = |r: u32| coords(r).dp;
-        colocated_refit_groups(&ColocatedLayout {
-            pods: t.nodes,
-            gpus_per_pod: gpn,
-            replicas,
-            fsdp: p.fsdp,
-            generation_ranks: gen_world,
-            senders_of_replica: &senders_of_replica,
-            trainer_dp: &trainer_dp,
-        })
-    } else {
-        None
-    };
-    let is_sender: Vec<bool> = {
-        let mut v = vec![false; trainer_world as usize];
-        match &colocated_groups {
-            Some(groups) => groups.iter().flat_map(|g| &g.senders).for_each(|&r| v[r as usize] = true),
-            None => global_senders.iter().for_each(|&r| v[r as usize] = true),
-        }
-        v
-    };
-
-    // Processes, pod by pod, in local order.
-    let mut processes: Vec<ProcessEntry> = Vec::new();
-    let mut trainer_proc = vec![0u32; trainer_world as usize];
-    let mut gen_proc = vec![0u32; gen_world as usize];
-    let mut storage_units = Vec::new();
-    let mut coordinator = 0u32;
-    for (pod_idx, pod) in pods.iter().enumerate() {
-        let pod_idx = pod_idx as u32;
-        let mut local = 0u32;
-        let mut next_local = || {
-            local += 1;
-            local - 1
-        };
-        match pod.role {
-            PodRole::Trainer => {
-                for slot in 0..gpn {
-                    let r = pod.index * gpn + slot;
-                    let c = coords(r);
-                    let l = next_local();
-                    let ports = ProcessPorts {
-                        refit: is_sender[r as usize].then(|| addr.port(&pod.name, ports::REFIT_BASE, l)),
-                        fanout: c.leader.then(|| addr.port(&pod.name, ports::FANOUT_BASE, l)),
-                        ..Default::default()
-                    };
-                    let ipc = (spec.mode == Mode::Colocated).then(|| format!("ipc://{}/gpu-{slot}.sock", pod.ipc_dir));
-                    trainer_proc[r as usize] = push(
-                        &mut processes,
-                        ProcessEntry {
-                            name: format!("trainer-{r}"),
-                            pod: pod_idx,
-                            local: l,
-                            gpu: gpu.then_some(slot),
-                            role: ProcessRole::Trainer(c),
-                            ports,
-                            ipc,
-                        },
-                    );
-                }
-                if spec.mode == Mode::Colocated {
-                    for slot in 0..gpn {
-                        let gr = pod.index * gpn + slot;
-                        let l = next_local();
-                        let e = gen_entry(spec, addr, pod, pod_idx, gr, l, gen_gpu(gr), gpu);
-                        if let Some(u) = e.1 {
-                            storage_units.push(u);
-                        }
-                        gen_proc[gr as usize] = push(&mut processes, e.0);
-                    }
-                }
-                if pod.index == 0 {
-                    let l = next_local();
-                    coordinator = push(
-                        &mut processes,
-                        ProcessEntry {
-                            name: "coordinator".into(),
-                            pod: pod_idx,
-                            local: l,
-                            gpu: None,
-                            role: ProcessRole::Coordinator,
-                            ports: ProcessPorts {
-                                control: Some(addr.port(&pod.name, ports::CONTROL, 0)),
-                                tq_controller: Some(addr.port(&pod.name, ports::TQ_CONTROLLER, 0)),
-                                ..Default::default()
-                            },
-                            ipc: None,
-                        },
-                    );
-                }
-            }
-            PodRole::Generation => {
-                for slot in 0..gen_pod_gpus {
-                    let gr = pod.index * gen_pod_gpus + slot;
-                    let l = next_local();
-                    let e = gen_entry(spec, addr, pod, pod_idx, gr, l, gen_gpu(gr), gpu);
-                    if let Some(u) = e.1 {
-                        storage_units.push(u);
-                    }
-                    gen_proc[gr as usize] = push(&mut processes, e.0);
-                }
-            }
-            PodRole::Storage => {
-                let l = next_local();
-                push(
-                    &mut processes,
-                    ProcessEntry {
-                        name: format!("tq-{}", pod.index),
-                        pod: pod_idx,
-                        local: l,
-                        gpu: None,
-                        role: ProcessRole::Storage { unit: pod.index },
-                        ports: ProcessPorts {
-                            storage: Some(addr.port(&pod.name, ports::STORAGE_BASE, 0)),
-                            ..Default::default()
-                        },
-                        ipc: None,
-                    },
-                );
-                storage_units.push((pod.index, processes.len() as u32 - 1));
-            }
-        }
-    }
-    // Producer-local units were recorded with their generation rank; resolve to process indices.
-    let storage_units: Vec<StorageUnitEntry> = storage_units
-        .into_iter()
-        .map(|(id, proc_or_rank)| {
-            let process = if dedicated { proc_or_rank } else { gen_proc[proc_or_rank as usize] };
-            StorageUnitEntry { id, process }
-        })
-        .collect();
-
-    // Refit groups.
-    let pod_name_of = |proc_idx: u32| pods[processes[proc_idx as usize].pod as usize].name.as_str();
-    let make_group = |name: String, senders: &[u32], receivers: Vec<u32>| {
-        let senders: Vec<u32> = senders.iter().map(|&r| trainer_proc[r as usize]).collect();
-        let members: Vec<&str> = senders.iter().chain(&receivers).map(|&i| pod_name_of(i)).collect();
-        let same_node = addr.same_node(&members);
-        let transport = group_transport(spec, same_node, receivers.len());
-        RefitGroup { name, same_node, senders, receivers, transport }
-    };
-    let refit_groups = match &colocated_groups {
-        Some(groups) => groups
-            .iter()
-            .map(|g| {
-                let receivers = g.generation_ranks.iter().map(|&gr| gen_proc[gr as usize]).collect();
-                make_group(g.name.clone(), &g.senders, receivers)
-            })
-            .collect(),
-        None => vec![make_group("refit".into(), &global_senders, gen_proc.clone())],
-    };
-
-    // Fan-out groups: one per data-parallel shard, leader first.
-    let fanout_groups = (0..p.data)
-        .map(|dp| {
-            let mut ranks: Vec<u32> = (0..trainer_world).filter(|&r| coords(r).dp == dp).collect();
-            ranks.sort_by_key(|&r| (!coords(r).leader, r));
-            let members: Vec<u32> = ranks.iter().map(|&r| trainer_proc[r as usize]).collect();
-            FanoutGroup { dp, leader: members[0], members }
-        })
-        .collect();
-
+    let pods = pods(spec, &id.name, addr);
+    let senders = refit_senders(spec);
+    let processes = Processes::lay_out(spec, addr, &pods, &senders.is_sender);
+    let refit_groups = refit_groups(spec, addr, &pods, &processes, &senders);
+    let fanout_groups = fanout_groups(&spec.trainer.parallelism, &processes.trainer);
+    let Processes { entries, storage_units, coordinator, .. } = processes;
     Ok(WorkerPlan {
         format_version: PLAN_FORMAT_VERSION,
-        job: JobRef {
-            name: id.name.clone(),
-            namespace: id.namespace.clone(),
-            uid: id.uid.clone(),
-            epoch: id.epoch,
-            token: job_token(&id.uid, id.epoch),
-            // Where the operator mounts the epoch's Secret; `rlplane local` points it at its own.
-            key_file: POD_KEY_FILE.into(),
-        },
+        job: job_ref(id),
         mode: spec.mode,
         device: spec.device,
-        layout: Layout {
-            tp: p.tensor,
-            pp: p.pipeline,
-            cp: p.context,
-            dp: p.data,
-            fsdp: p.fsdp,
-            trainer_world,
-            trainer_gpus_per_pod: gpn,
-            engines: g.engines,
-            engine_tp: g.tensor_parallel,
-            generation_world: gen_world,
-        },
+        layout: layout(spec),
         pods,
-        processes,
+        processes: entries,
         coordinator,
         refit_groups,
         fanout_groups,
@@ -446,13 +203,325 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
     })
 }
 
-fn push(processes: &mut Vec<ProcessEntry>, e: ProcessEntry) -> u32 {
-    processes.push(e);
-    processes.len() as u32 - 1
+/// The job epoch's identity as the plan carries it, with its token.
+fn job_ref(id: &JobIdentity) -> JobRef {
+    JobRef {
+        name: id.name.clone(),
+        namespace: id.namespace.clone(),
+        uid: id.uid.clone(),
+        epoch: id.epoch,
+        token: job_token(&id.uid, id.epoch),
+        // Where the operator mounts the epoch's Secret; `rlplane local` points it at its own.
+        key_file: POD_KEY_FILE.into(),
+    }
 }
 
-/// A generation rank's process entry, and its storage unit `(engine, rank)` when it hosts one.
-#[allow(clippy::too_many_arguments)]
+/// The parallel layout of the trainer and the generation engines.
+fn layout(spec: &RLJobSpec) -> Layout {
+    let t = &spec.trainer;
+    let p = &t.parallelism;
+    let g = &spec.generation;
+    Layout {
+        tp: p.tensor,
+        pp: p.pipeline,
+        cp: p.context,
+        dp: p.data,
+        fsdp: p.fsdp,
+        trainer_world: t.nodes * t.gpus_per_node,
+        trainer_gpus_per_pod: t.gpus_per_node,
+        engines: g.engines,
+        engine_tp: g.tensor_parallel,
+        generation_world: g.engines * g.tensor_parallel,
+    }
+}
+
+/// The job's pods, in order: trainer pods, then generation pods (Split mode), then storage pods
+/// (Dedicated placement).
+fn pods(spec: &RLJobSpec, job: &str, addr: &dyn Addressing) -> Vec<PodEntry> {
+    let t = &spec.trainer;
+    let g = &spec.generation;
+    let gpu = spec.device == Device::Gpu;
+    let mut pods = Vec::new();
+    let mut add_pod = |role: PodRole, index: u32, gpus: u32| {
+        let name = pod_name(job, role, index);
+        pods.push(PodEntry {
+            host: addr.host(&name),
+            bind_host: addr.bind_host(&name),
+            ipc_dir: addr.ipc_dir(&name),
+            private_ipc: addr.private_ipc(&name),
+            name,
+            role,
+            index,
+            gpus: if gpu { gpus } else { 0 },
+        });
+    };
+    for i in 0..t.nodes {
+        add_pod(PodRole::Trainer, i, t.gpus_per_node);
+    }
+    let gen_world = g.engines * g.tensor_parallel;
+    let gen_pod_gpus = g.pod_gpus();
+    let gen_pods = if spec.mode == Mode::Split { gen_world / gen_pod_gpus } else { 0 };
+    for j in 0..gen_pods {
+        add_pod(PodRole::Generation, j, gen_pod_gpus);
+    }
+    let dedicated = spec.transfer_queue.placement == TqPlacement::Dedicated;
+    let storage_pods = if dedicated { spec.transfer_queue.storage_units } else { 0 };
+    for k in 0..storage_pods {
+        add_pod(PodRole::Storage, k, 0);
+    }
+    pods
+}
+
+/// Trainer rank `r`'s coordinates (see the module docs for the rank order).
+fn trainer_coords(p: &Parallelism, r: u32) -> TrainerCoords {
+    let tp = r % p.tensor;
+    let cp = (r / p.tensor) % p.context;
+    let dp = (r / (p.tensor * p.context)) % p.data;
+    let pp = r / (p.tensor * p.context * p.data);
+    TrainerCoords { rank: r, tp, pp, cp, dp, leader: tp == 0 && cp == 0 && pp == 0 }
+}
+
+/// The trainer ranks that send a replica's shards (context index 0). A replica is one shard
+/// group: `fsdp` consecutive data-parallel ranks that together hold every parameter once (one
+/// rank when the trainer does not shard over data).
+fn senders_of_replica(p: &Parallelism, replica: u32) -> Vec<u32> {
+    let mut v = Vec::new();
+    for pp in 0..p.pipeline {
+        for dp in replica * p.fsdp..(replica + 1) * p.fsdp {
+            for tp in 0..p.tensor {
+                v.push(tp + p.tensor * (p.context * (dp + p.data * pp)));
+            }
+        }
+    }
+    v
+}
+
+/// Which trainer ranks send weights at a refit.
+struct RefitSenders {
+    /// Colocated refit groups, or None where the job has one group ([`colocated_refit_groups`]).
+    colocated: Option<Vec<ColocatedGroup>>,
+    /// The senders of the job's one group (where `colocated` is None).
+    global: Vec<u32>,
+    /// Per trainer rank, whether it sends (and so gets a refit port).
+    is_sender: Vec<bool>,
+}
+
+/// The trainer ranks that send at a refit: in Colocated mode with a Sharded source, those of each
+/// colocated group (where every pod holds a whole replica); otherwise replica 0's shard group, or
+/// rank 0 alone when the source is Gathered.
+fn refit_senders(spec: &RLJobSpec) -> RefitSenders {
+    let t = &spec.trainer;
+    let p = &t.parallelism;
+    let global: Vec<u32> = match spec.refit.source {
+        RefitSource::Sharded => senders_of_replica(p, 0),
+        RefitSource::Gathered => vec![0],
+    };
+    let colocated = if spec.mode == Mode::Colocated && spec.refit.source == RefitSource::Sharded {
+        colocated_refit_groups(&ColocatedLayout {
+            pods: t.nodes,
+            gpus_per_pod: t.gpus_per_node,
+            replicas: p.data / p.fsdp,
+            fsdp: p.fsdp,
+            generation_ranks: spec.generation.engines * spec.generation.tensor_parallel,
+            senders_of_replica: &|replica| senders_of_replica(p, replica),
+            trainer_dp: &|r| trainer_coords(p, r).dp,
+        })
+    } else {
+        None
+    };
+    let mut is_sender = vec![false; (t.nodes * t.gpus_per_node) as usize];
+    match &colocated {
+        Some(groups) => groups.iter().flat_map(|g| &g.senders).for_each(|&r| is_sender[r as usize] = true),
+        None => global.iter().for_each(|&r| is_sender[r as usize] = true),
+    }
+    RefitSenders { colocated, global, is_sender }
+}
+
+/// The plan's processes, pod by pod in local order, and where each rank landed.
+struct Processes {
+    /// Every process; its position is its index.
+    entries: Vec<ProcessEntry>,
+    /// Per trainer rank, its process index.
+    trainer: Vec<u32>,
+    /// Per generation rank, its process index.
+    generation: Vec<u32>,
+    /// The storage units, in the order their processes were laid out.
+    storage_units: Vec<StorageUnitEntry>,
+    /// The coordinator's process index.
+    coordinator: u32,
+}
+
+impl Processes {
+    /// The processes of `pods` (from [`pods`]); `is_sender` marks the trainer ranks that get a
+    /// refit port.
+    fn lay_out(spec: &RLJobSpec, addr: &dyn Addressing, pods: &[PodEntry], is_sender: &[bool]) -> Processes {
+        let t = &spec.trainer;
+        let g = &spec.generation;
+        let mut out = Processes {
+            entries: Vec::new(),
+            trainer: vec![0; (t.nodes * t.gpus_per_node) as usize],
+            generation: vec![0; (g.engines * g.tensor_parallel) as usize],
+            storage_units: Vec::new(),
+            coordinator: 0,
+        };
+        for (pod_idx, pod) in pods.iter().enumerate() {
+            let pod_idx = pod_idx as u32;
+            match pod.role {
+                PodRole::Trainer => out.add_trainer_pod(spec, addr, pod, pod_idx, is_sender),
+                PodRole::Generation => out.add_generation_pod(spec, addr, pod, pod_idx),
+                PodRole::Storage => out.add_storage_pod(addr, pod, pod_idx),
+            }
+        }
+        out
+    }
+
+    /// A trainer pod's processes, in local order: its trainer ranks, then in Colocated mode the
+    /// generation ranks sharing their GPUs, then on pod 0 the coordinator.
+    fn add_trainer_pod(
+        &mut self,
+        spec: &RLJobSpec,
+        addr: &dyn Addressing,
+        pod: &PodEntry,
+        pod_idx: u32,
+        is_sender: &[bool],
+    ) {
+        let gpn = spec.trainer.gpus_per_node;
+        let gpu = spec.device == Device::Gpu;
+        let mut local = 0u32;
+        let mut next_local = || {
+            local += 1;
+            local - 1
+        };
+        for slot in 0..gpn {
+            let r = pod.index * gpn + slot;
+            let c = trainer_coords(&spec.trainer.parallelism, r);
+            let l = next_local();
+            let ports = ProcessPorts {
+                refit: is_sender[r as usize].then(|| addr.port(&pod.name, ports::REFIT_BASE, l)),
+                fanout: c.leader.then(|| addr.port(&pod.name, ports::FANOUT_BASE, l)),
+                ..Default::default()
+            };
+            let ipc = (spec.mode == Mode::Colocated).then(|| format!("ipc://{}/gpu-{slot}.sock", pod.ipc_dir));
+            self.trainer[r as usize] = self.push(ProcessEntry {
+                name: format!("trainer-{r}"),
+                pod: pod_idx,
+                local: l,
+                gpu: gpu.then_some(slot),
+                role: ProcessRole::Trainer(c),
+                ports,
+                ipc,
+            });
+        }
+        if spec.mode == Mode::Colocated {
+            for slot in 0..gpn {
+                let gr = pod.index * gpn + slot;
+                let l = next_local();
+                self.add_generation(gr, gen_entry(spec, addr, pod, pod_idx, gr, l, slot));
+            }
+        }
+        if pod.index == 0 {
+            let l = next_local();
+            self.coordinator = self.push(ProcessEntry {
+                name: "coordinator".into(),
+                pod: pod_idx,
+                local: l,
+                gpu: None,
+                role: ProcessRole::Coordinator,
+                ports: ProcessPorts {
+                    control: Some(addr.port(&pod.name, ports::CONTROL, 0)),
+                    tq_controller: Some(addr.port(&pod.name, ports::TQ_CONTROLLER, 0)),
+                    ..Default::default()
+                },
+                ipc: None,
+            });
+        }
+    }
+
+    /// A generation pod's processes (Split mode): its generation ranks, each on its own GPU slot,
+    /// which is also its local index.
+    fn add_generation_pod(&mut self, spec: &RLJobSpec, addr: &dyn Addressing, pod: &PodEntry, pod_idx: u32) {
+        let gpn = spec.generation.pod_gpus();
+        for slot in 0..gpn {
+            let gr = pod.index * gpn + slot;
+            self.add_generation(gr, gen_entry(spec, addr, pod, pod_idx, gr, slot, slot));
+        }
+    }
+
+    /// A storage pod's process (Dedicated placement): the storage unit numbered like the pod.
+    fn add_storage_pod(&mut self, addr: &dyn Addressing, pod: &PodEntry, pod_idx: u32) {
+        let process = self.push(ProcessEntry {
+            name: format!("tq-{}", pod.index),
+            pod: pod_idx,
+            local: 0,
+            gpu: None,
+            role: ProcessRole::Storage { unit: pod.index },
+            ports: ProcessPorts { storage: Some(addr.port(&pod.name, ports::STORAGE_BASE, 0)), ..Default::default() },
+            ipc: None,
+        });
+        self.storage_units.push(StorageUnitEntry { id: pod.index, process });
+    }
+
+    /// Adds generation rank `gr`'s process and, where it hosts one, its storage unit.
+    fn add_generation(&mut self, gr: u32, (entry, unit): (ProcessEntry, Option<u32>)) {
+        let process = self.push(entry);
+        if let Some(id) = unit {
+            self.storage_units.push(StorageUnitEntry { id, process });
+        }
+        self.generation[gr as usize] = process;
+    }
+
+    /// Adds a process; returns its index.
+    fn push(&mut self, e: ProcessEntry) -> u32 {
+        self.entries.push(e);
+        self.entries.len() as u32 - 1
+    }
+}
+
+/// The refit groups with process indices, each with the transport its members allow.
+fn refit_groups(
+    spec: &RLJobSpec,
+    addr: &dyn Addressing,
+    pods: &[PodEntry],
+    processes: &Processes,
+    senders: &RefitSenders,
+) -> Vec<RefitGroup> {
+    let pod_name_of = |proc_idx: u32| pods[processes.entries[proc_idx as usize].pod as usize].name.as_str();
+    let make_group = |name: String, senders: &[u32], receivers: Vec<u32>| {
+        let senders: Vec<u32> = senders.iter().map(|&r| processes.trainer[r as usize]).collect();
+        let members: Vec<&str> = senders.iter().chain(&receivers).map(|&i| pod_name_of(i)).collect();
+        let same_node = addr.same_node(&members);
+        let transport = group_transport(spec, same_node, receivers.len());
+        RefitGroup { name, same_node, senders, receivers, transport }
+    };
+    match &senders.colocated {
+        Some(groups) => groups
+            .iter()
+            .map(|g| {
+                let receivers = g.generation_ranks.iter().map(|&gr| processes.generation[gr as usize]).collect();
+                make_group(g.name.clone(), &g.senders, receivers)
+            })
+            .collect(),
+        None => vec![make_group("refit".into(), &senders.global, processes.generation.clone())],
+    }
+}
+
+/// Fan-out groups: one per data-parallel shard, leader first. `trainer_proc` maps trainer ranks
+/// to process indices.
+fn fanout_groups(p: &Parallelism, trainer_proc: &[u32]) -> Vec<FanoutGroup> {
+    let trainer_world = trainer_proc.len() as u32;
+    let coords = |r: u32| trainer_coords(p, r);
+    (0..p.data)
+        .map(|dp| {
+            let mut ranks: Vec<u32> = (0..trainer_world).filter(|&r| coords(r).dp == dp).collect();
+            ranks.sort_by_key(|&r| (!coords(r).leader, r));
+            let members: Vec<u32> = ranks.iter().map(|&r| trainer_proc[r as usize]).collect();
+            FanoutGroup { dp, leader: members[0], members }
+        })
+        .collect()
+}
+
+/// A generation rank's process entry, and the storage unit it hosts, if any. `slot` is its GPU
+/// slot in the pod.
 fn gen_entry(
     spec: &RLJobSpec,
     addr: &dyn Addressing,
@@ -461,8 +530,8 @@ fn gen_entry(
     gr: u32,
     local: u32,
     slot: u32,
-    gpu: bool,
-) -> (ProcessEntry, Option<(u32, u32)>) {
+) -> (ProcessEntry, Option<u32>) {
+    let gpu = spec.device == Device::Gpu;
     let tp = spec.generation.tensor_parallel;
     let c = GenerationCoords { rank: gr, engine: gr / tp, engine_rank: gr % tp, producer: gr.is_multiple_of(tp) };
     let hosts_storage = c.producer && spec.transfer_queue.placement == TqPlacement::ProducerLocal;
@@ -482,5 +551,5 @@ fn gen_entry(
         // Colocated: the socket of the GPU it shares with the trainer rank there.
         ipc: (spec.mode == Mode::Colocated).then(|| format!("ipc://{}/gpu-{slot}.sock", pod.ipc_dir)),
     };
-    (entry, hosts_storage.then_some((c.engine, gr)))
+    (entry, hosts_storage.then_some(c.engine))
 }
