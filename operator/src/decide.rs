@@ -443,7 +443,6 @@ impl<'a> Draft<'a> {
         self.restart(next, kind.reason(), message, Vec::new())
     }
 
-    /// Tears the gang down for a new epoch: status first, then every pod, then `extra`.
     /// The next epoch resumes from the newest checkpoint the trainer reported (the coordinator's
     /// `status.checkpoint`), or from where this epoch resumed when it reported none. Fixed here,
     /// once per epoch, so that the plan of an epoch never changes while it runs.
@@ -454,6 +453,7 @@ impl<'a> Draft<'a> {
         }
     }
 
+    /// Tears the gang down for a new epoch: status first, then every pod, then `extra`.
     fn restart(mut self, new_epoch: u32, reason: &str, message: String, extra: Vec<Step>) -> Decision {
         self.st.epoch = new_epoch;
         self.resume_from_checkpoint();
@@ -470,32 +470,14 @@ impl<'a> Draft<'a> {
         self.finish(Some(WAIT_FOR_PODS))
     }
 
-    fn active(mut self, epoch: u32, desired: Desired) -> Decision {
-        let job = self.job;
-        let policy = &job.spec.run_policy;
+    /// The job should run at `epoch`: restart the gang for a new spec, end it (the coordinator
+    /// succeeded, the deadline passed), restart or fail it for a failure, or else keep it going.
+    fn active(self, epoch: u32, desired: Desired) -> Decision {
         let created = conditions::is_true(&self.old.conditions, conditions::PODS_CREATED) && self.old.epoch == epoch;
         let current: Vec<ObservedPod> = self.observed.iter().filter(|p| p.epoch == Some(epoch)).cloned().collect();
 
-        // A spec change that shapes pods: a gang cannot change pod by pod, so it restarts with
-        // the new spec. Not a failure; restarts is unchanged. Changes to runPolicy only (deadline,
-        // TTL, backoffLimit) keep the gang; so does an operator upgrade (same generation).
-        let hash = spec_hash(&job.spec);
-        if self.old.observed_generation.is_some()
-            && self.old.observed_generation != self.generation
-            && current.iter().any(|p| !p.terminating && p.spec_hash.as_deref() != Some(hash.as_str()))
-        {
-            let gangs = [GangScheduler::Volcano, GangScheduler::Coscheduling]
-                .into_iter()
-                .filter(|g| *g != job.spec.scheduling.gang)
-                .collect();
-            let message = format!(
-                "the spec changed (generation {} to {}); restarting the gang with epoch {}",
-                self.old.observed_generation.unwrap_or_default(),
-                self.generation.unwrap_or_default(),
-                epoch + 1
-            );
-            self.event(false, reasons::SPEC_CHANGED, "RestartGang", message.clone());
-            return self.restart(epoch + 1, reasons::SPEC_CHANGED, message, vec![Step::DeletePodGroups(gangs)]);
+        if self.spec_changed(&current) {
+            return self.restart_for_new_spec(epoch);
         }
 
         if let Some(c) = current.iter().find(|p| p.coordinator && p.succeeded) {
@@ -503,52 +485,84 @@ impl<'a> Draft<'a> {
             return self.end(Phase::Succeeded, reasons::COORDINATOR_SUCCEEDED, message, false);
         }
 
-        let deadline = match (policy.active_deadline_seconds, self.old.start_time.as_ref()) {
-            (Some(limit), Some(start)) => Some((limit, start.0, start.0.as_second().saturating_add(limit as i64))),
-            _ => None,
-        };
-        if let Some((limit, start, at)) = deadline
-            && self.now.as_second() >= at
+        let deadline = self.deadline();
+        if let Some(d) = &deadline
+            && self.now.as_second() >= d.at
         {
             let message =
-                format!("the job was active longer than activeDeadlineSeconds={limit} (it started at {start})");
+                format!("the job was active longer than activeDeadlineSeconds={} (it started at {})", d.limit, d.start);
             return self.end(Phase::Failed, reasons::DEADLINE_EXCEEDED, message, true);
         }
 
-        // Failures of the current epoch; a pod that is gone after its epoch was created was
-        // deleted. Pods of other epochs never count.
-        let mut failures: Vec<(String, PodFailure)> =
-            current.iter().filter_map(|p| p.failure.clone().map(|f| (p.name.clone(), f))).collect();
-        if created {
-            for p in &desired.pods {
-                let name = p.metadata.name.clone().unwrap_or_default();
-                if !current.iter().any(|c| c.name == name) {
-                    let failure = PodFailure {
-                        kind: FailureKind::PodDeleted,
-                        detail: "the pod is gone".into(),
-                        at: None,
-                        exit_codes: Vec::new(),
-                        conditions: Vec::new(),
-                    };
-                    failures.push((name, failure));
-                }
-            }
-        }
+        let failures = gang_failures(&current, &desired, created);
         if !failures.is_empty() {
-            failures.sort_by(|a, b| (a.1.at.is_none(), a.1.at, &a.0).cmp(&(b.1.at.is_none(), b.1.at, &b.0)));
-            let (pod, first) = &failures[0];
-            let more = match failures.len() - 1 {
-                0 => String::new(),
-                1 => " (and 1 more pod failed)".into(),
-                n => format!(" (and {n} more pods failed)"),
-            };
-            let summary = format!("pod {pod}: {}{more}", first.detail);
-            let (kind, verdict) = (first.kind, crate::policy::judge(&policy.failure_policy, first));
-            return self.failed(epoch, kind, verdict, summary);
+            return self.gang_failed(epoch, failures);
         }
+        self.keep_gang(epoch, &desired, &current, created, deadline)
+    }
 
-        // From here on the gang lives: its objects are applied every time (drift is repaired),
-        // pods of other epochs are deleted, and the pods are created once.
+    /// A spec change that shapes pods: a gang cannot change pod by pod, so it restarts with
+    /// the new spec. Changes to runPolicy only (deadline, TTL, backoffLimit) keep the gang; so
+    /// does an operator upgrade (same generation).
+    fn spec_changed(&self, current: &[ObservedPod]) -> bool {
+        let hash = spec_hash(&self.job.spec);
+        self.old.observed_generation.is_some()
+            && self.old.observed_generation != self.generation
+            && current.iter().any(|p| !p.terminating && p.spec_hash.as_deref() != Some(hash.as_str()))
+    }
+
+    /// Restarts the gang with the new spec at `epoch + 1`, deleting PodGroups of any other gang
+    /// scheduler. Not a failure; restarts is unchanged.
+    fn restart_for_new_spec(mut self, epoch: u32) -> Decision {
+        let gangs = [GangScheduler::Volcano, GangScheduler::Coscheduling]
+            .into_iter()
+            .filter(|g| *g != self.job.spec.scheduling.gang)
+            .collect();
+        let message = format!(
+            "the spec changed (generation {} to {}); restarting the gang with epoch {}",
+            self.old.observed_generation.unwrap_or_default(),
+            self.generation.unwrap_or_default(),
+            epoch + 1
+        );
+        self.event(false, reasons::SPEC_CHANGED, "RestartGang", message.clone());
+        self.restart(epoch + 1, reasons::SPEC_CHANGED, message, vec![Step::DeletePodGroups(gangs)])
+    }
+
+    /// The job's active deadline, once it has started and has one.
+    fn deadline(&self) -> Option<Deadline> {
+        match (self.job.spec.run_policy.active_deadline_seconds, self.old.start_time.as_ref()) {
+            (Some(limit), Some(start)) => {
+                Some(Deadline { limit, start: start.0, at: start.0.as_second().saturating_add(limit as i64) })
+            }
+            _ => None,
+        }
+    }
+
+    /// The gang failed: the earliest failure names the pod and what happened, and decides, by
+    /// the failure policy, whether the gang restarts or the job fails.
+    fn gang_failed(self, epoch: u32, mut failures: Vec<(String, PodFailure)>) -> Decision {
+        failures.sort_by(|a, b| (a.1.at.is_none(), a.1.at, &a.0).cmp(&(b.1.at.is_none(), b.1.at, &b.0)));
+        let (pod, first) = &failures[0];
+        let more = match failures.len() - 1 {
+            0 => String::new(),
+            1 => " (and 1 more pod failed)".into(),
+            n => format!(" (and {n} more pods failed)"),
+        };
+        let summary = format!("pod {pod}: {}{more}", first.detail);
+        let (kind, verdict) = (first.kind, crate::policy::judge(&self.job.spec.run_policy.failure_policy, first));
+        self.failed(epoch, kind, verdict, summary)
+    }
+
+    /// The gang lives: its objects are applied every time (drift is repaired), pods of other
+    /// epochs are deleted, the pods are created once, and the status follows their readiness.
+    fn keep_gang(
+        mut self,
+        epoch: u32,
+        desired: &Desired,
+        current: &[ObservedPod],
+        created: bool,
+        deadline: Option<Deadline>,
+    ) -> Decision {
         self.st.observed_generation = self.generation;
         self.st.completion_time = None;
         let resumed = self.old.phase == Phase::Suspended;
@@ -565,134 +579,188 @@ impl<'a> Draft<'a> {
 
         let mut requeue = RESYNC;
         if !created && old_left > 0 {
-            // Pod names are the same in every epoch: the new pods can only be created once the
-            // old ones are gone.
-            self.st.phase = if self.old.phase == Phase::Restarting { Phase::Restarting } else { Phase::Pending };
-            self.set(
-                conditions::PODS_CREATED,
-                false,
-                reasons::WAITING_FOR_OLD_PODS,
-                &format!("waiting for {old_left} pods of an earlier epoch to terminate"),
-            );
-            let phase = self.st.phase.as_str();
-            for t in [conditions::PODS_READY, conditions::RUNNING, conditions::SUCCEEDED, conditions::FAILED] {
-                self.set(t, false, phase, "");
-            }
-            // While restarting, Restarting=True keeps the reason and message of the restart.
-            if self.st.phase != Phase::Restarting {
-                self.set(conditions::RESTARTING, false, phase, "");
-            }
-            self.set(conditions::SUSPENDED, false, if resumed { reasons::RESUMED } else { phase }, "");
-            if resumed {
-                self.event(false, reasons::RESUMED, "Resume", "spec.runPolicy.suspend is false".into());
-            }
+            self.wait_for_old_pods(old_left, resumed);
             requeue = WAIT_FOR_PODS;
         } else if !created {
-            let missing: Vec<Pod> = desired
-                .pods
-                .iter()
-                .filter(|p| !current.iter().any(|c| Some(&c.name) == p.metadata.name.as_ref()))
-                .cloned()
-                .collect();
-            if !missing.is_empty() {
-                self.steps.push(Step::CreatePods(missing));
-            }
-            self.st.phase = Phase::Starting;
-            self.st.start_time = self.st.start_time.clone().or(Some(Time(self.now)));
-            let n = desired.pods.len();
-            self.set(
-                conditions::PODS_CREATED,
-                true,
-                reasons::PODS_CREATED,
-                &format!("created {n} pods for epoch {epoch}"),
-            );
-            let restarted = self.old.phase == Phase::Restarting;
-            self.set(conditions::RESTARTING, false, if restarted { reasons::RESTARTED } else { "Starting" }, "");
-            self.set(conditions::SUSPENDED, false, if resumed { reasons::RESUMED } else { "Starting" }, "");
-            self.set(conditions::SUCCEEDED, false, "Starting", "");
-            self.set(conditions::FAILED, false, "Starting", "");
-            if resumed {
-                self.event(false, reasons::RESUMED, "Resume", "spec.runPolicy.suspend is false".into());
-            }
-            self.event(false, reasons::PODS_CREATED, "CreatePods", format!("created {n} pods for epoch {epoch}"));
+            self.create_pods(epoch, desired, current, resumed);
         }
-
-        // Readiness, per role and as a whole.
-        let ready = |name: &str| current.iter().any(|c| c.name == name && c.ready);
-        let mut counts = [RoleCounts::default(); 3];
-        let mut all_ready = !desired.pods.is_empty();
-        for p in &desired.pods {
-            let name = p.metadata.name.as_deref().unwrap_or_default();
-            let role = p.metadata.labels.as_ref().and_then(|l| l.get(labels::ROLE)).map(String::as_str);
-            let i = match role {
-                Some("gen") => 1,
-                Some("tq") => 2,
-                _ => 0,
-            };
-            counts[i].total += 1;
-            if ready(name) {
-                counts[i].ready += 1;
-            } else {
-                all_ready = false;
-            }
-        }
-        [self.st.roles.trainer, self.st.roles.generation, self.st.roles.storage] = counts;
-        let n_ready: u32 = counts.iter().map(|c| c.ready).sum();
-        let n = desired.pods.len();
-        if self.st.phase == Phase::Starting || self.st.phase == Phase::Running {
-            if all_ready {
-                self.set(conditions::PODS_READY, true, reasons::ALL_PODS_READY, &format!("{n}/{n} pods ready"));
-            } else if let Some((pod, why)) =
-                current.iter().find_map(|c| c.unschedulable.as_ref().map(|why| (&c.name, why)))
-            {
-                // The gang cannot start until every pod is placed: say why, in the scheduler's words.
-                let unplaced = current.iter().filter(|c| c.unschedulable.is_some()).count();
-                self.set(
-                    conditions::PODS_READY,
-                    false,
-                    reasons::UNSCHEDULABLE,
-                    &format!("{n_ready}/{n} pods ready; {unplaced} cannot be scheduled (pod {pod}: {why})"),
-                );
-            } else if let Some((pod, why)) =
-                current.iter().find_map(|c| c.not_starting.as_ref().map(|why| (&c.name, why)))
-            {
-                // Pods that will not start by themselves (an image that cannot be pulled, say):
-                // the gang waits, as a Job's pods do; the condition says which and why.
-                self.set(
-                    conditions::PODS_READY,
-                    false,
-                    reasons::CONTAINERS_NOT_STARTING,
-                    &format!("{n_ready}/{n} pods ready; pod {pod}: {why}"),
-                );
-            } else {
-                self.set(conditions::PODS_READY, false, reasons::PODS_NOT_READY, &format!("{n_ready}/{n} pods ready"));
-            }
-            // Running is sticky within an epoch: a pod that goes unready (or a rank that finished
-            // before the coordinator) does not make a running gang "starting" again.
-            if all_ready || self.old.phase == Phase::Running {
-                if self.old.phase != Phase::Running {
-                    self.event(false, "Running", "StartGang", format!("all {n} pods of epoch {epoch} are ready"));
-                }
-                self.st.phase = Phase::Running;
-                self.set(
-                    conditions::RUNNING,
-                    true,
-                    reasons::ALL_PODS_READY,
-                    &format!("all {n} pods of epoch {epoch} became ready"),
-                );
-            } else {
-                self.set(conditions::RUNNING, false, "Starting", "");
-            }
-        }
+        self.follow_readiness(epoch, desired, current);
         self.write_status();
         if !stale.is_empty() {
             self.steps.push(Step::DeletePods(stale));
         }
-        if let Some((_, _, at)) = deadline {
-            requeue = requeue.min(secs(at - self.now.as_second()));
+        if let Some(d) = deadline {
+            requeue = requeue.min(secs(d.at - self.now.as_second()));
         }
         self.finish(Some(requeue))
     }
+
+    /// Pod names are the same in every epoch: the new pods can only be created once the
+    /// `old_left` pods of an earlier epoch are gone. Until then the job is Pending (or still
+    /// Restarting).
+    fn wait_for_old_pods(&mut self, old_left: usize, resumed: bool) {
+        self.st.phase = if self.old.phase == Phase::Restarting { Phase::Restarting } else { Phase::Pending };
+        self.set(
+            conditions::PODS_CREATED,
+            false,
+            reasons::WAITING_FOR_OLD_PODS,
+            &format!("waiting for {old_left} pods of an earlier epoch to terminate"),
+        );
+        let phase = self.st.phase.as_str();
+        for t in [conditions::PODS_READY, conditions::RUNNING, conditions::SUCCEEDED, conditions::FAILED] {
+            self.set(t, false, phase, "");
+        }
+        // While restarting, Restarting=True keeps the reason and message of the restart.
+        if self.st.phase != Phase::Restarting {
+            self.set(conditions::RESTARTING, false, phase, "");
+        }
+        self.set(conditions::SUSPENDED, false, if resumed { reasons::RESUMED } else { phase }, "");
+        if resumed {
+            self.event(false, reasons::RESUMED, "Resume", "spec.runPolicy.suspend is false".into());
+        }
+    }
+
+    /// Creates the epoch's pods that do not exist yet: the job is Starting, PodsCreated=True.
+    fn create_pods(&mut self, epoch: u32, desired: &Desired, current: &[ObservedPod], resumed: bool) {
+        let missing: Vec<Pod> = desired
+            .pods
+            .iter()
+            .filter(|p| !current.iter().any(|c| Some(&c.name) == p.metadata.name.as_ref()))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            self.steps.push(Step::CreatePods(missing));
+        }
+        self.st.phase = Phase::Starting;
+        self.st.start_time = self.st.start_time.clone().or(Some(Time(self.now)));
+        let n = desired.pods.len();
+        self.set(conditions::PODS_CREATED, true, reasons::PODS_CREATED, &format!("created {n} pods for epoch {epoch}"));
+        let restarted = self.old.phase == Phase::Restarting;
+        self.set(conditions::RESTARTING, false, if restarted { reasons::RESTARTED } else { "Starting" }, "");
+        self.set(conditions::SUSPENDED, false, if resumed { reasons::RESUMED } else { "Starting" }, "");
+        self.set(conditions::SUCCEEDED, false, "Starting", "");
+        self.set(conditions::FAILED, false, "Starting", "");
+        if resumed {
+            self.event(false, reasons::RESUMED, "Resume", "spec.runPolicy.suspend is false".into());
+        }
+        self.event(false, reasons::PODS_CREATED, "CreatePods", format!("created {n} pods for epoch {epoch}"));
+    }
+
+    /// Readiness, per role and as a whole: the ready counts, and for a starting or running gang
+    /// PodsReady (saying why pods are not ready, when known) and Running.
+    fn follow_readiness(&mut self, epoch: u32, desired: &Desired, current: &[ObservedPod]) {
+        let (counts, all_ready) = role_counts(desired, current);
+        [self.st.roles.trainer, self.st.roles.generation, self.st.roles.storage] = counts;
+        if self.st.phase != Phase::Starting && self.st.phase != Phase::Running {
+            return;
+        }
+        let n_ready: u32 = counts.iter().map(|c| c.ready).sum();
+        let n = desired.pods.len();
+        self.set_pods_ready(n_ready, n, all_ready, current);
+        // Running is sticky within an epoch: a pod that goes unready (or a rank that finished
+        // before the coordinator) does not make a running gang "starting" again.
+        if all_ready || self.old.phase == Phase::Running {
+            if self.old.phase != Phase::Running {
+                self.event(false, "Running", "StartGang", format!("all {n} pods of epoch {epoch} are ready"));
+            }
+            self.st.phase = Phase::Running;
+            self.set(
+                conditions::RUNNING,
+                true,
+                reasons::ALL_PODS_READY,
+                &format!("all {n} pods of epoch {epoch} became ready"),
+            );
+        } else {
+            self.set(conditions::RUNNING, false, "Starting", "");
+        }
+    }
+
+    /// PodsReady: True when all `n` pods are ready, else False with the first reason known
+    /// (pods that cannot be scheduled, containers that will not start) or just the count.
+    fn set_pods_ready(&mut self, n_ready: u32, n: usize, all_ready: bool, current: &[ObservedPod]) {
+        if all_ready {
+            self.set(conditions::PODS_READY, true, reasons::ALL_PODS_READY, &format!("{n}/{n} pods ready"));
+        } else if let Some((pod, why)) = current.iter().find_map(|c| c.unschedulable.as_ref().map(|why| (&c.name, why)))
+        {
+            // The gang cannot start until every pod is placed: say why, in the scheduler's words.
+            let unplaced = current.iter().filter(|c| c.unschedulable.is_some()).count();
+            self.set(
+                conditions::PODS_READY,
+                false,
+                reasons::UNSCHEDULABLE,
+                &format!("{n_ready}/{n} pods ready; {unplaced} cannot be scheduled (pod {pod}: {why})"),
+            );
+        } else if let Some((pod, why)) = current.iter().find_map(|c| c.not_starting.as_ref().map(|why| (&c.name, why)))
+        {
+            // Pods that will not start by themselves (an image that cannot be pulled, say):
+            // the gang waits, as a Job's pods do; the condition says which and why.
+            self.set(
+                conditions::PODS_READY,
+                false,
+                reasons::CONTAINERS_NOT_STARTING,
+                &format!("{n_ready}/{n} pods ready; pod {pod}: {why}"),
+            );
+        } else {
+            self.set(conditions::PODS_READY, false, reasons::PODS_NOT_READY, &format!("{n_ready}/{n} pods ready"));
+        }
+    }
+}
+
+/// `spec.runPolicy.activeDeadlineSeconds` of a started job.
+struct Deadline {
+    /// The limit, in seconds.
+    limit: u64,
+    /// When the job started.
+    start: Timestamp,
+    /// When the limit is reached, in seconds since the epoch.
+    at: i64,
+}
+
+/// Failures of the current epoch, by pod name; a pod that is gone after its epoch was `created`
+/// was deleted. Pods of other epochs never count.
+fn gang_failures(current: &[ObservedPod], desired: &Desired, created: bool) -> Vec<(String, PodFailure)> {
+    let mut failures: Vec<(String, PodFailure)> =
+        current.iter().filter_map(|p| p.failure.clone().map(|f| (p.name.clone(), f))).collect();
+    if created {
+        for p in &desired.pods {
+            let name = p.metadata.name.clone().unwrap_or_default();
+            if !current.iter().any(|c| c.name == name) {
+                let failure = PodFailure {
+                    kind: FailureKind::PodDeleted,
+                    detail: "the pod is gone".into(),
+                    at: None,
+                    exit_codes: Vec::new(),
+                    conditions: Vec::new(),
+                };
+                failures.push((name, failure));
+            }
+        }
+    }
+    failures
+}
+
+/// Total and ready pods per role (trainer, generation, storage), and whether every pod of the
+/// epoch is ready (never when it has none).
+fn role_counts(desired: &Desired, current: &[ObservedPod]) -> ([RoleCounts; 3], bool) {
+    let ready = |name: &str| current.iter().any(|c| c.name == name && c.ready);
+    let mut counts = [RoleCounts::default(); 3];
+    let mut all_ready = !desired.pods.is_empty();
+    for p in &desired.pods {
+        let name = p.metadata.name.as_deref().unwrap_or_default();
+        let role = p.metadata.labels.as_ref().and_then(|l| l.get(labels::ROLE)).map(String::as_str);
+        let i = match role {
+            Some("gen") => 1,
+            Some("tq") => 2,
+            _ => 0,
+        };
+        counts[i].total += 1;
+        if ready(name) {
+            counts[i].ready += 1;
+        } else {
+            all_ready = false;
+        }
+    }
+    (counts, all_ready)
 }
 
 /// The status after a failure to create the pods or their objects: PodsCreated=False/CreateFailed

@@ -17,10 +17,11 @@ use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client};
-use kube_lease_manager::LeaseManagerBuilder;
+use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
 use prometheus_client::registry::Registry;
 use rlplane_api::RLJob;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
 use crate::desired::{OperatorConfig, labels};
@@ -98,32 +99,87 @@ async fn wait_true(rx: &mut watch::Receiver<bool>) {
 }
 
 /// Runs the operator until `shutdown` becomes true.
-pub async fn run_until(opts: RunOptions, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+pub async fn run_until(opts: RunOptions, shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
     let mut registry = Registry::with_prefix(PREFIX);
     let jobs_by_phase = JobsByPhase::default();
     let metrics = Metrics::register(&mut registry, jobs_by_phase.clone());
     let health = Arc::new(Health::default());
+    let server = serve_http(opts.metrics_addr, registry, health.clone(), shutdown.clone()).await?;
+    let client = connect().await?;
+    let mut leadership = Leadership::start(&client, &opts).await?;
+    health.set_ready(true);
 
-    let listener = tokio::net::TcpListener::bind(opts.metrics_addr)
+    let reporter = Reporter { controller: CONTROLLER_NAME.into(), instance: Some(opts.identity.clone()) };
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        opts.config.clone(),
+        Recorder::new(client.clone(), reporter),
+        metrics.clone(),
+        Clock::System,
+    ));
+    let election_ended =
+        reconcile_while_leading(&client, &opts, &mut leadership.leader, shutdown, ctx, &metrics, &jobs_by_phase).await;
+
+    health.set_ready(false);
+    leadership.release().await;
+    if election_ended {
+        // Stop serving too: the process exits with an error and its pod is restarted.
+        server.abort();
+        anyhow::bail!("leader election stopped (see the lease manager's error above)");
+    }
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => error!(error = %e, "HTTP server failed"),
+        Err(e) => error!(error = %e, "HTTP server task failed"),
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// Serves `/healthz`, `/readyz` and `/metrics` on `addr` until `shutdown` becomes true.
+async fn serve_http(
+    addr: SocketAddr,
+    registry: Registry,
+    health: Arc<Health>,
+    mut shutdown: watch::Receiver<bool>,
+) -> anyhow::Result<JoinHandle<std::io::Result<()>>> {
+    let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .with_context(|| format!("cannot listen on --metrics-addr {}; pick a free address", opts.metrics_addr))?;
+        .with_context(|| format!("cannot listen on --metrics-addr {addr}; pick a free address"))?;
     info!(addr = %listener.local_addr()?, "serving /healthz, /readyz and /metrics");
-    let app = router(Arc::new(registry), health.clone());
-    let mut server_shutdown = shutdown.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).with_graceful_shutdown(async move { wait_true(&mut server_shutdown).await }).await
-    });
+    let app = router(Arc::new(registry), health);
+    Ok(tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(async move { wait_true(&mut shutdown).await }).await
+    }))
+}
 
+/// A client of the cluster's API server, once the server answers.
+async fn connect() -> anyhow::Result<Client> {
     let client = Client::try_default()
         .await
         .context("cannot build a Kubernetes client: set KUBECONFIG, or run in a pod with a ServiceAccount")?;
     let version = client.apiserver_version().await.context("cannot reach the Kubernetes API server")?;
     info!(version = %version.git_version, "connected to the API server");
+    Ok(client)
+}
 
-    // Leadership: a channel that is true while this replica may reconcile.
-    // Without election the channel stays true; its sender lives as long as the run.
-    let mut always_leader = None;
-    let (mut leader_rx, lease_task) = if opts.leader_election {
+/// Whether this replica may reconcile: a channel that is true while it leads.
+struct Leadership {
+    /// True while this replica holds the lease (always, without election).
+    leader: watch::Receiver<bool>,
+    /// The lease manager's task, with election.
+    lease_task: Option<JoinHandle<kube_lease_manager::Result<LeaseManager>>>,
+    /// Without election, the sender that keeps `leader` true; it lives as long as the run.
+    always_leader: Option<watch::Sender<bool>>,
+}
+
+impl Leadership {
+    /// Starts leader election, or, without it, leads at once.
+    async fn start(client: &Client, opts: &RunOptions) -> anyhow::Result<Self> {
+        if !opts.leader_election {
+            let (tx, rx) = watch::channel(true);
+            return Ok(Leadership { leader: rx, lease_task: None, always_leader: Some(tx) });
+        }
         let manager = LeaseManagerBuilder::new(client.clone(), &opts.lease_name)
             .with_namespace(&opts.lease_namespace)
             .with_identity(&opts.identity)
@@ -135,43 +191,57 @@ pub async fn run_until(opts: RunOptions, mut shutdown: watch::Receiver<bool>) ->
             .with_context(|| format!("cannot use Lease {}/{}", opts.lease_namespace, opts.lease_name))?;
         let (rx, task) = manager.watch().await;
         info!(lease = %format!("{}/{}", opts.lease_namespace, opts.lease_name), identity = %opts.identity, "leader election started");
-        (rx, Some(task))
-    } else {
-        let (tx, rx) = watch::channel(true);
-        always_leader = Some(tx);
-        (rx, None)
-    };
-    health.set_ready(true);
+        Ok(Leadership { leader: rx, lease_task: Some(task), always_leader: None })
+    }
 
-    let reporter = Reporter { controller: CONTROLLER_NAME.into(), instance: Some(opts.identity.clone()) };
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        opts.config.clone(),
-        Recorder::new(client.clone(), reporter),
-        metrics.clone(),
-        Clock::System,
-    ));
+    /// Gives up leadership: releases the lease, if any, so that another replica takes over at
+    /// once (waiting at most 10 s; the lease expires on its own otherwise).
+    async fn release(self) {
+        let Leadership { leader, lease_task, always_leader } = self;
+        drop(always_leader);
+        if let Some(task) = lease_task {
+            // Dropping the receiver makes the lease task release the lease and end.
+            drop(leader);
+            match tokio::time::timeout(Duration::from_secs(10), task).await {
+                Ok(Ok(Ok(_))) => info!("lease released"),
+                Ok(Ok(Err(e))) => warn!(error = %e, "cannot release the lease; it expires on its own"),
+                Ok(Err(e)) => warn!(error = %e, "lease task failed"),
+                Err(_) => warn!("releasing the lease timed out; it expires on its own"),
+            }
+        }
+    }
+}
 
-    let mut election_ended = false;
+/// Runs the controller each time this replica becomes leader, until it loses the lease, and
+/// again when it regains it, until `shutdown` becomes true. Returns true when leader election
+/// ended (nobody may lead any more).
+async fn reconcile_while_leading(
+    client: &Client,
+    opts: &RunOptions,
+    leader: &mut watch::Receiver<bool>,
+    mut shutdown: watch::Receiver<bool>,
+    ctx: Arc<Context>,
+    metrics: &Metrics,
+    jobs_by_phase: &JobsByPhase,
+) -> bool {
     loop {
         tokio::select! {
-            _ = wait_true(&mut shutdown) => break,
-            leading = leader_rx.wait_for(|leader| *leader) => {
+            _ = wait_true(&mut shutdown) => return false,
+            leading = leader.wait_for(|leader| *leader) => {
                 // The lease task only ends when it cannot go on; without it nobody may lead.
                 if leading.is_err() {
-                    election_ended = true;
-                    break;
+                    return true;
                 }
             }
         }
         if *shutdown.borrow() {
-            break;
+            return false;
         }
         info!("leading: reconciling RLJobs");
         metrics.leader.set(1);
-        let controller = build_controller(&client, opts.namespace.as_deref(), opts.concurrency);
+        let controller = build_controller(client, opts.namespace.as_deref(), opts.concurrency);
         jobs_by_phase.set_store(Some(controller.store()));
-        let mut stop_leader = leader_rx.clone();
+        let mut stop_leader = leader.clone();
         let mut stop_shutdown = shutdown.clone();
         controller
             .graceful_shutdown_on(async move {
@@ -191,34 +261,9 @@ pub async fn run_until(opts: RunOptions, mut shutdown: watch::Receiver<bool>) ->
         jobs_by_phase.set_store(None);
         metrics.leader.set(0);
         if *shutdown.borrow() {
-            break;
+            return false;
         }
     }
-
-    health.set_ready(false);
-    drop(always_leader);
-    if let Some(task) = lease_task {
-        // Dropping the receiver makes the lease task release the lease and end.
-        drop(leader_rx);
-        match tokio::time::timeout(Duration::from_secs(10), task).await {
-            Ok(Ok(Ok(_))) => info!("lease released"),
-            Ok(Ok(Err(e))) => warn!(error = %e, "cannot release the lease; it expires on its own"),
-            Ok(Err(e)) => warn!(error = %e, "lease task failed"),
-            Err(_) => warn!("releasing the lease timed out; it expires on its own"),
-        }
-    }
-    if election_ended {
-        // Stop serving too: the process exits with an error and its pod is restarted.
-        server.abort();
-        anyhow::bail!("leader election stopped (see the lease manager's error above)");
-    }
-    match server.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => error!(error = %e, "HTTP server failed"),
-        Err(e) => error!(error = %e, "HTTP server task failed"),
-    }
-    info!("stopped");
-    Ok(())
 }
 
 /// The Controller on RLJobs, owning every kind of object the operator creates. Children are
