@@ -26,7 +26,7 @@ use super::TqError;
 use super::codec::{self, Block, Body, CONTROLLER_MAGIC, ErrorCode, Header, Outgoing, ReadError, WIRE_VERSION};
 use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleTags};
 use super::controller::{AckReport, Claim, ClearReport, connect_unit};
-use super::storage::StorageUnit;
+use super::storage::{FieldSlices, StorageUnit};
 use rlplane_wire::net::{self, Hello, JobAuth, NetError};
 
 /// Whether this process may write back.
@@ -685,44 +685,17 @@ impl TqClient {
         want: &Wanted<'_>,
         mut regions: Vec<&mut [u8]>,
     ) -> Result<(), TqError> {
-        let (fields, fidx, field_rows, row_bytes) = (want.names, &want.index, &want.rows, &want.row_bytes);
-        let keys: Vec<String> = part.idx.iter().map(|&i| meta.key(i).to_string()).collect();
-        let field_names: Vec<String> = fields.iter().map(|s| s.to_string()).collect();
+        let field_names: Vec<String> = want.names.iter().map(|s| s.to_string()).collect();
         if let Some(unit) = self.local_unit(part.unit) {
+            let keys: Vec<String> = part.idx.iter().map(|&i| meta.key(i).to_string()).collect();
             let got = unit.get(&meta.partition, &keys, &field_names).map_err(|e| {
                 Self::storage_err(part.unit, self.unit_addr(part.unit).unwrap_or("local"), e.code(), e.to_string())
             })?;
-            for (f, slices) in got.iter().enumerate() {
-                let mut at = 0usize;
-                for (b, _) in &slices.samples {
-                    let dst = regions[f].get_mut(at..at + b.len()).ok_or_else(|| TqError::Protocol {
-                        peer: format!("local unit {}", part.unit),
-                        what: format!("more bytes of field `{}` than the metadata says", fields[f]),
-                    })?;
-                    dst.copy_from_slice(b);
-                    at += b.len();
-                }
-                if at != regions[f].len() {
-                    return Err(TqError::Protocol {
-                        peer: format!("local unit {}", part.unit),
-                        what: format!("fewer bytes of field `{}` than the metadata says", fields[f]),
-                    });
-                }
-            }
-            return Ok(());
+            return copy_local_slices(part.unit, want.names, &got, &mut regions);
         }
         // Chunks of keys, each a request; per chunk and field, the expected rows and its region.
         let chunks: Vec<&[usize]> = part.idx.chunks(GET_CHUNK_KEYS).collect();
-        let mut chunk_regions: Vec<Vec<&mut [u8]>> = chunks.iter().map(|_| Vec::new()).collect();
-        for (f, region) in regions.iter_mut().enumerate() {
-            let mut rest: &mut [u8] = std::mem::take(region);
-            for (c, chunk) in chunks.iter().enumerate() {
-                let n: u64 = chunk.iter().map(|&i| field_rows[f][i] as u64 * row_bytes[f]).sum();
-                let (head, tail) = std::mem::take(&mut rest).split_at_mut(n as usize);
-                chunk_regions[c].push(head);
-                rest = tail;
-            }
-        }
+        let chunk_regions = split_by_chunk(&chunks, want, regions);
         let requests: Vec<(Header, Body)> = chunks
             .iter()
             .map(|chunk| {
@@ -758,44 +731,7 @@ impl TqClient {
                             });
                         }
                     };
-                    let bad = |what: String| TqError::Protocol { peer: addr.into(), what };
-                    if block.n as usize != chunk.len() || block.columns.len() != fields.len() {
-                        return Err(bad(format!(
-                            "{} samples × {} fields where {} × {} were asked for",
-                            block.n,
-                            block.columns.len(),
-                            chunk.len(),
-                            fields.len()
-                        )));
-                    }
-                    for (f, ((spec, len), region)) in block.columns.iter().zip(regions.iter_mut()).enumerate() {
-                        let want = &meta.schema[fidx[f]];
-                        if spec.name != want.name || !spec.same_shape(want) || *len != region.len() as u64 {
-                            return Err(bad(format!(
-                                "field `{}` as {:?} with {len} bytes where the metadata says `{}` {:?} with {} bytes",
-                                spec.name,
-                                spec.dtype,
-                                want.name,
-                                want.dtype,
-                                region.len()
-                            )));
-                        }
-                        if spec.ragged {
-                            let raw = codec::read_buffer(&mut rd, (chunk.len() as u64 + 1) * 8, &spec.name)
-                                .await
-                                .map_err(|e| read_error(addr, e))?;
-                            let got = codec::decode_offsets(&spec.name, &raw, block.n, *len, row_bytes[f])
-                                .map_err(|e| bad(e.to_string()))?;
-                            let expect = chunk.iter().map(|&i| field_rows[f][i] as u64);
-                            if got.windows(2).map(|w| w[1] - w[0]).ne(expect) {
-                                return Err(bad(format!(
-                                    "row counts of field `{}` that disagree with the controller's metadata",
-                                    spec.name
-                                )));
-                            }
-                        }
-                        codec::read_buffer_into(&mut rd, region, &spec.name).await.map_err(|e| read_error(addr, e))?;
-                    }
+                    read_get_columns(&mut rd, addr, &block, meta, want, chunk, &mut regions).await?;
                 }
                 Ok::<(), TqError>(())
             };
@@ -803,6 +739,98 @@ impl TqClient {
         })
         .await
     }
+}
+
+/// Copies what the storage unit this process hosts (`unit`) returned for a get, field by field
+/// (`names`), into `regions`: each must be filled exactly, as the metadata sized it.
+fn copy_local_slices(unit: u32, names: &[&str], got: &[FieldSlices], regions: &mut [&mut [u8]]) -> Result<(), TqError> {
+    for (f, slices) in got.iter().enumerate() {
+        let mut at = 0usize;
+        for (b, _) in &slices.samples {
+            let dst = regions[f].get_mut(at..at + b.len()).ok_or_else(|| TqError::Protocol {
+                peer: format!("local unit {unit}"),
+                what: format!("more bytes of field `{}` than the metadata says", names[f]),
+            })?;
+            dst.copy_from_slice(b);
+            at += b.len();
+        }
+        if at != regions[f].len() {
+            return Err(TqError::Protocol {
+                peer: format!("local unit {unit}"),
+                what: format!("fewer bytes of field `{}` than the metadata says", names[f]),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Splits a unit's regions (one per field of `want`) by the chunks of keys requested one at a
+/// time: per chunk, one region per field, disjoint and in order.
+fn split_by_chunk<'r>(chunks: &[&[usize]], want: &Wanted<'_>, regions: Vec<&'r mut [u8]>) -> Vec<Vec<&'r mut [u8]>> {
+    let mut chunk_regions: Vec<Vec<&mut [u8]>> = chunks.iter().map(|_| Vec::new()).collect();
+    for (f, region) in regions.into_iter().enumerate() {
+        let mut rest: &mut [u8] = region;
+        for (c, chunk) in chunks.iter().enumerate() {
+            let n: u64 = chunk.iter().map(|&i| want.rows[f][i] as u64 * want.row_bytes[f]).sum();
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n as usize);
+            chunk_regions[c].push(head);
+            rest = tail;
+        }
+    }
+    chunk_regions
+}
+
+/// Reads the columns of a get reply's `block` (the samples `chunk` of `meta`) from `rd` into
+/// `regions`, one per field of `want`, after checking that the unit sends what the controller's
+/// metadata says: the samples and fields asked for, with the same shapes, bytes and row counts.
+async fn read_get_columns<R: tokio::io::AsyncReadExt + Unpin>(
+    rd: &mut R,
+    addr: &str,
+    block: &Block,
+    meta: &BatchMeta,
+    want: &Wanted<'_>,
+    chunk: &[usize],
+    regions: &mut [&mut [u8]],
+) -> Result<(), TqError> {
+    let bad = |what: String| TqError::Protocol { peer: addr.into(), what };
+    if block.n as usize != chunk.len() || block.columns.len() != want.names.len() {
+        return Err(bad(format!(
+            "{} samples × {} fields where {} × {} were asked for",
+            block.n,
+            block.columns.len(),
+            chunk.len(),
+            want.names.len()
+        )));
+    }
+    for (f, ((spec, len), region)) in block.columns.iter().zip(regions.iter_mut()).enumerate() {
+        let expected = &meta.schema[want.index[f]];
+        if spec.name != expected.name || !spec.same_shape(expected) || *len != region.len() as u64 {
+            return Err(bad(format!(
+                "field `{}` as {:?} with {len} bytes where the metadata says `{}` {:?} with {} bytes",
+                spec.name,
+                spec.dtype,
+                expected.name,
+                expected.dtype,
+                region.len()
+            )));
+        }
+        if spec.ragged {
+            let raw = codec::read_buffer(rd, (chunk.len() as u64 + 1) * 8, &spec.name)
+                .await
+                .map_err(|e| read_error(addr, e))?;
+            let got = codec::decode_offsets(&spec.name, &raw, block.n, *len, want.row_bytes[f])
+                .map_err(|e| bad(e.to_string()))?;
+            let rows = chunk.iter().map(|&i| want.rows[f][i] as u64);
+            if got.windows(2).map(|w| w[1] - w[0]).ne(rows) {
+                return Err(bad(format!(
+                    "row counts of field `{}` that disagree with the controller's metadata",
+                    spec.name
+                )));
+            }
+        }
+        codec::read_buffer_into(rd, region, &spec.name).await.map_err(|e| read_error(addr, e))?;
+    }
+    Ok(())
 }
 
 /// The fields a get reads: their names, schema indices, rows per sample of the metadata and

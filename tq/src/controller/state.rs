@@ -1,24 +1,17 @@
-//! The transfer-queue controller: metadata only.
-//!
-//! It knows which (sample, field) pairs exist, which storage unit holds each sample, sequence
-//! lengths and tags — never the bytes. [`Controller`] is the plain state machine (deterministic,
-//! clock passed in); [`TqController`] wraps it for the coordinator: shared, served over TCP on the
-//! plan's `tq_controller` port, clearing partitions in every storage unit, and watching the units
-//! so that a dead one marks its partitions lost.
+//! The controller's state machine: which (sample, field) pairs exist, where, and who claimed
+//! them. Deterministic and synchronous: requests are plain values, the clock is passed in, and
+//! nothing here touches a socket or a runtime, so every transition is tested directly.
 //!
 //! Claims: [`Controller::claim`] hands out ready samples (those having every required field),
 //! each exactly once per consumer group, under a lease. A claim not acknowledged before its lease
 //! expires (the consumer died) is claimable again; nothing is lost.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::net::{TcpListener, TcpStream};
-
-use super::codec::{self, Body, CONTROLLER_MAGIC, ErrorCode, Header, ReadError, STORAGE_MAGIC, WIRE_VERSION};
-use super::column::{ABSENT, BatchMeta, FieldSpec, SampleKey, SampleTags};
-use rlplane_wire::net::{self, Hello, JobAuth, NetError};
+use crate::codec::ErrorCode;
+use crate::column::{ABSENT, BatchMeta, FieldSpec, SampleKey, SampleRef, SampleTags};
 
 /// Most fields a partition may have (ready checks are one 64-bit mask test per sample).
 pub const MAX_FIELDS: usize = 64;
@@ -270,6 +263,28 @@ impl Samples {
             tag_index,
         ))
     }
+
+    /// Merges the tags `add` into sample `i`'s. `shared` is the set the partition holds for
+    /// `add` alone (`u32::MAX` until one is added), which samples without tags share.
+    fn add_tags(&mut self, i: usize, add: &SampleTags, shared: &mut u32) {
+        if add.is_empty() {
+            return;
+        }
+        if self.tag_of[i] == 0 {
+            // The sample has no tags yet: it takes the request's set, shared with the other
+            // samples of the request that name it.
+            if *shared == u32::MAX {
+                *shared = self.tag_sets.len() as u32;
+                self.tag_sets.push(merged(&[], add));
+            }
+            self.tag_of[i] = *shared;
+        } else {
+            let base = &self.tag_sets[self.tag_of[i] as usize];
+            let tags = merged(base, add);
+            self.tag_of[i] = self.tag_sets.len() as u32;
+            self.tag_sets.push(tags);
+        }
+    }
 }
 
 /// `tags` with a name given twice kept once (the last value wins), as a merge would.
@@ -284,7 +299,141 @@ fn merged(base: &[(String, String)], add: &[(String, String)]) -> SampleTags {
     tags.into()
 }
 
-/// The controller's state machine. Not thread-safe by itself; [`TqController`] shares it.
+/// Where a request's fields go in a partition: the fields new to it (appended to its schema in
+/// this order) and, per field of the request, its index in the partition's schema.
+struct FieldMap {
+    new_fields: Vec<FieldSpec>,
+    index: Vec<usize>,
+}
+
+impl Partition {
+    /// Maps a request's fields (`schema`) onto the partition's, checking shapes.
+    fn map_fields(&self, partition: &str, schema: &[FieldSpec]) -> Result<FieldMap, ControllerError> {
+        let known = &self.samples.schema;
+        let mut new_fields: Vec<FieldSpec> = Vec::new();
+        let mut index = Vec::with_capacity(schema.len());
+        for f in schema {
+            let existing = known.iter().position(|g| g.name == f.name);
+            let idx = match existing {
+                Some(i) => {
+                    let g = &known[i];
+                    if !g.same_shape(f) {
+                        return Err(ControllerError::Schema {
+                            partition: partition.into(),
+                            field: f.name.clone(),
+                            problem: format!(
+                                "sent as {:?}{} rows {:?}, but the partition holds it as {:?}{} rows {:?}; \
+                                 write it under another name or with the same dtype and shape",
+                                f.dtype,
+                                if f.ragged { " ragged" } else { " fixed" },
+                                f.inner,
+                                g.dtype,
+                                if g.ragged { " ragged" } else { " fixed" },
+                                g.inner
+                            ),
+                        });
+                    }
+                    i
+                }
+                None => match new_fields.iter().position(|g| g.name == f.name) {
+                    Some(_) => {
+                        return Err(ControllerError::Schema {
+                            partition: partition.into(),
+                            field: f.name.clone(),
+                            problem: "appears twice in one request".into(),
+                        });
+                    }
+                    None => {
+                        new_fields.push(f.clone());
+                        known.len() + new_fields.len() - 1
+                    }
+                },
+            };
+            index.push(idx);
+        }
+        if known.len() + new_fields.len() > MAX_FIELDS {
+            return Err(ControllerError::Schema {
+                partition: partition.into(),
+                field: new_fields.last().map(|f| f.name.clone()).unwrap_or_default(),
+                problem: format!("a partition holds at most {MAX_FIELDS} fields; pack related values into one field"),
+            });
+        }
+        Ok(FieldMap { new_fields, index })
+    }
+
+    /// Checks a request's keys: each given once, and one the partition holds already on the
+    /// storage unit that holds it (a write-back adds fields where the sample is).
+    fn check_keys(&self, partition: &str, meta: &BatchMeta) -> Result<(), ControllerError> {
+        let mut seen = std::collections::HashSet::with_capacity(meta.len());
+        for s in meta.iter() {
+            if !seen.insert(s.key()) {
+                return Err(ControllerError::BadRequest(format!("key `{}` appears twice in one request", s.key())));
+            }
+            if let Some(&i) = self.by_key.get(s.key())
+                && self.samples.units[i] != s.unit()
+            {
+                return Err(ControllerError::BadRequest(format!(
+                    "key `{}` of partition `{partition}` already lives on storage unit {}, not {}; keys must be unique per step",
+                    s.key(),
+                    self.samples.units[i],
+                    s.unit()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds a checked request ([`Partition::map_fields`] gave `fields`,
+    /// [`Partition::check_keys`] passed): its new fields, new samples, rows and tags.
+    fn apply(&mut self, meta: &BatchMeta, fields: FieldMap) {
+        for f in fields.new_fields {
+            self.samples.schema.push(f);
+            self.samples.rows.push(vec![ABSENT; self.samples.len()]);
+        }
+        let req_rows: Vec<Option<&[u32]>> = (0..meta.schema.len()).map(|f| meta.field_rows(f)).collect();
+        // The request's tag sets as the partition holds them, each added once.
+        let (req_sets, req_index) = meta.tag_columns();
+        let mut set_map: Vec<u32> = vec![u32::MAX; req_sets.len()];
+        self.samples.key_bytes.reserve(meta.key_columns().0.len());
+        for s in meta.iter() {
+            let i = match self.by_key.get(s.key()) {
+                Some(&i) => i,
+                None => self.add_sample(&s),
+            };
+            for (req_idx, col) in req_rows.iter().enumerate() {
+                let rows = col.map_or(ABSENT, |c| c[s.index()]);
+                if rows == ABSENT {
+                    continue;
+                }
+                let idx = fields.index[req_idx];
+                self.samples.rows[idx][i] = rows;
+                self.samples.present[i] |= 1 << idx;
+            }
+            let t = req_index[s.index()] as usize;
+            self.samples.add_tags(i, &req_sets[t], &mut set_map[t]);
+        }
+    }
+
+    /// Adds sample `s` with no fields and no tags yet; returns its index.
+    fn add_sample(&mut self, s: &SampleRef<'_>) -> usize {
+        let samples = &mut self.samples;
+        let i = samples.len();
+        samples.key_bytes.push_str(s.key());
+        samples.key_ends.push(samples.key_bytes.len());
+        samples.units.push(s.unit());
+        samples.tokens.push(s.tokens());
+        for col in &mut samples.rows {
+            col.push(ABSENT);
+        }
+        samples.present.push(0);
+        samples.tag_of.push(0);
+        self.by_key.insert(s.shared_key(), i);
+        self.units.insert(s.unit());
+        i
+    }
+}
+
+/// The controller's state machine. Not thread-safe by itself; [`TqController`](super::TqController) shares it.
 #[derive(Debug)]
 pub struct Controller {
     partitions: HashMap<String, Partition>,
@@ -325,130 +474,10 @@ impl Controller {
                 reason: reason.clone(),
             });
         }
-        // Map the request's fields onto the partition's, checking shapes.
-        let mut new_fields: Vec<FieldSpec> = Vec::new();
-        let mut map = Vec::with_capacity(meta.schema.len());
-        for f in &meta.schema {
-            let existing = part.samples.schema.iter().position(|g| g.name == f.name);
-            let idx = match existing {
-                Some(i) => {
-                    let g = &part.samples.schema[i];
-                    if !g.same_shape(f) {
-                        return Err(ControllerError::Schema {
-                            partition: pname.clone(),
-                            field: f.name.clone(),
-                            problem: format!(
-                                "sent as {:?}{} rows {:?}, but the partition holds it as {:?}{} rows {:?}; \
-                                 write it under another name or with the same dtype and shape",
-                                f.dtype,
-                                if f.ragged { " ragged" } else { " fixed" },
-                                f.inner,
-                                g.dtype,
-                                if g.ragged { " ragged" } else { " fixed" },
-                                g.inner
-                            ),
-                        });
-                    }
-                    i
-                }
-                None => match new_fields.iter().position(|g| g.name == f.name) {
-                    Some(_) => {
-                        return Err(ControllerError::Schema {
-                            partition: pname.clone(),
-                            field: f.name.clone(),
-                            problem: "appears twice in one request".into(),
-                        });
-                    }
-                    None => {
-                        new_fields.push(f.clone());
-                        part.samples.schema.len() + new_fields.len() - 1
-                    }
-                },
-            };
-            map.push(idx);
-        }
-        if part.samples.schema.len() + new_fields.len() > MAX_FIELDS {
-            return Err(ControllerError::Schema {
-                partition: pname.clone(),
-                field: new_fields.last().map(|f| f.name.clone()).unwrap_or_default(),
-                problem: format!("a partition holds at most {MAX_FIELDS} fields; pack related values into one field"),
-            });
-        }
-        let mut seen = std::collections::HashSet::with_capacity(meta.len());
-        for s in meta.iter() {
-            if !seen.insert(s.key()) {
-                return Err(ControllerError::BadRequest(format!("key `{}` appears twice in one request", s.key())));
-            }
-            if let Some(&i) = part.by_key.get(s.key())
-                && part.samples.units[i] != s.unit()
-            {
-                return Err(ControllerError::BadRequest(format!(
-                    "key `{}` of partition `{pname}` already lives on storage unit {}, not {}; keys must be unique per step",
-                    s.key(),
-                    part.samples.units[i],
-                    s.unit()
-                )));
-            }
-        }
-        // Apply.
-        let part = self.partitions.entry(pname.clone()).or_default();
-        for f in new_fields {
-            part.samples.schema.push(f);
-            part.samples.rows.push(vec![ABSENT; part.samples.len()]);
-        }
-        let req_rows: Vec<Option<&[u32]>> = (0..meta.schema.len()).map(|f| meta.field_rows(f)).collect();
-        // The request's tag sets as the partition holds them, each added once.
-        let (req_sets, req_index) = meta.tag_columns();
-        let mut set_map: Vec<u32> = vec![u32::MAX; req_sets.len()];
-        part.samples.key_bytes.reserve(meta.key_columns().0.len());
-        for s in meta.iter() {
-            let i = match part.by_key.get(s.key()) {
-                Some(&i) => i,
-                None => {
-                    let i = part.samples.len();
-                    part.samples.key_bytes.push_str(s.key());
-                    part.samples.key_ends.push(part.samples.key_bytes.len());
-                    part.samples.units.push(s.unit());
-                    part.samples.tokens.push(s.tokens());
-                    for col in &mut part.samples.rows {
-                        col.push(ABSENT);
-                    }
-                    part.samples.present.push(0);
-                    part.samples.tag_of.push(0);
-                    part.by_key.insert(s.shared_key(), i);
-                    part.units.insert(s.unit());
-                    i
-                }
-            };
-            for (req_idx, col) in req_rows.iter().enumerate() {
-                let rows = col.map_or(ABSENT, |c| c[s.index()]);
-                if rows == ABSENT {
-                    continue;
-                }
-                let idx = map[req_idx];
-                part.samples.rows[idx][i] = rows;
-                part.samples.present[i] |= 1 << idx;
-            }
-            let t = req_index[s.index()] as usize;
-            let add = &req_sets[t];
-            if add.is_empty() {
-                continue;
-            }
-            if part.samples.tag_of[i] == 0 {
-                // The sample has no tags yet: it takes the request's set, shared with the other
-                // samples of the request that name it.
-                if set_map[t] == u32::MAX {
-                    set_map[t] = part.samples.tag_sets.len() as u32;
-                    part.samples.tag_sets.push(merged(&[], add));
-                }
-                part.samples.tag_of[i] = set_map[t];
-            } else {
-                let base = &part.samples.tag_sets[part.samples.tag_of[i] as usize];
-                let tags = merged(base, add);
-                part.samples.tag_of[i] = part.samples.tag_sets.len() as u32;
-                part.samples.tag_sets.push(tags);
-            }
-        }
+        let fields = part.map_fields(pname, &meta.schema)?;
+        part.check_keys(pname, meta)?;
+        // Checked: from here on nothing fails.
+        self.partitions.entry(pname.clone()).or_default().apply(meta, fields);
         Ok(())
     }
 
@@ -618,395 +647,6 @@ impl Controller {
             lost: p.lost.clone(),
             groups,
         })
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The shared controller and its TCP service.
-
-/// Settings of a [`TqController`].
-#[derive(Clone, Debug)]
-pub struct ControllerConfig {
-    /// The job epoch's token and key, which every peer must prove it holds.
-    pub auth: JobAuth,
-    /// Claim lease.
-    pub lease: Duration,
-    /// Storage units: id → address.
-    pub units: BTreeMap<u32, String>,
-}
-
-impl ControllerConfig {
-    /// From the job's plan, authenticating with `auth`.
-    pub fn from_plan(plan: &rlplane_api::WorkerPlan, auth: &JobAuth) -> ControllerConfig {
-        ControllerConfig {
-            auth: auth.clone(),
-            lease: Duration::from_secs(plan.transfer_queue.lease_seconds as u64),
-            units: plan.storage_units.iter().filter_map(|u| Some((u.id, plan.storage_address(u.id)?))).collect(),
-        }
-    }
-}
-
-/// Result of clearing a partition everywhere.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClearReport {
-    /// Bytes freed across the storage units.
-    pub freed: u64,
-    /// Units that cleared it.
-    pub units: u32,
-    /// Units that could not be reached: `(unit, reason)`.
-    pub unreachable: Vec<(u32, String)>,
-}
-
-/// The controller as the coordinator owns it: shared state, a TCP service, partition clearing in
-/// every storage unit and a watch on the units. Cheap to clone.
-#[derive(Clone, Debug)]
-pub struct TqController {
-    core: Arc<Mutex<Controller>>,
-    config: Arc<ControllerConfig>,
-    /// Units whose watch connection is up (see [`TqController::watch_units`]).
-    watched: Arc<Mutex<BTreeSet<u32>>>,
-    /// The job is over: units going away are expected, not lost.
-    closed: Arc<std::sync::atomic::AtomicBool>,
-    /// One connection per unit for clears, opened at the first and kept: a step's clear is then
-    /// one small frame each way instead of a connection and an authenticated handshake per unit
-    /// per step, which cost the units' processes CPU in the middle of the refit.
-    clear_links: Arc<BTreeMap<u32, tokio::sync::Mutex<Option<TcpStream>>>>,
-}
-
-fn lock(core: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
-    // A panic while holding the lock cannot leave the state half-updated (every method validates
-    // before it mutates), so a poisoned lock is safe to keep using.
-    core.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl TqController {
-    /// A controller with these settings.
-    pub fn new(config: ControllerConfig) -> TqController {
-        TqController {
-            core: Arc::new(Mutex::new(Controller::new(config.lease))),
-            clear_links: Arc::new(config.units.keys().map(|&u| (u, tokio::sync::Mutex::new(None))).collect()),
-            config: Arc::new(config),
-            watched: Arc::default(),
-            closed: Arc::default(),
-        }
-    }
-
-    /// The job is over: from now on a storage unit that goes away (its rank exiting) is not
-    /// reported lost.
-    pub fn close(&self) {
-        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// The settings.
-    pub fn config(&self) -> &ControllerConfig {
-        &self.config
-    }
-
-    /// See [`Controller::register`].
-    pub fn register(&self, meta: &BatchMeta) -> Result<(), ControllerError> {
-        lock(&self.core).register(meta)
-    }
-
-    /// See [`Controller::claim`].
-    pub fn claim(
-        &self,
-        partition: &str,
-        group: &str,
-        n: usize,
-        min: usize,
-        required: &[String],
-    ) -> Result<Claim, ControllerError> {
-        lock(&self.core).claim(partition, group, n, min, required, Instant::now())
-    }
-
-    /// See [`Controller::ack`].
-    pub fn ack(
-        &self,
-        partition: &str,
-        group: &str,
-        claim_id: u64,
-        keys: &[String],
-    ) -> Result<AckReport, ControllerError> {
-        lock(&self.core).ack(partition, group, claim_id, keys)
-    }
-
-    /// See [`Controller::mark_unit_lost`].
-    pub fn mark_unit_lost(&self, unit: u32, reason: &str) -> Vec<String> {
-        let lost = lock(&self.core).mark_unit_lost(unit, reason);
-        if !lost.is_empty() {
-            tracing::warn!(unit, reason, partitions = ?lost, "transfer-queue storage unit lost");
-        }
-        lost
-    }
-
-    /// See [`Controller::status`].
-    pub fn status(&self, partition: &str) -> Option<PartitionStatus> {
-        lock(&self.core).status(partition, Instant::now())
-    }
-
-    /// Forgets `partition` and frees its bytes in every storage unit (all of them: a put may have
-    /// stored bytes whose registration failed). Units that cannot be reached are reported, not
-    /// fatal: a dead unit holds nothing any more.
-    pub async fn clear(&self, partition: &str) -> ClearReport {
-        lock(&self.core).clear(partition);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        let lost = lock(&self.core).lost_units().clone();
-        let jobs = self.config.units.iter().filter(|(u, _)| !lost.contains_key(u)).map(|(&unit, addr)| {
-            let auth = &self.config.auth;
-            let link = &self.clear_links[&unit];
-            async move { (unit, clear_unit(link, addr, auth, partition, deadline).await) }
-        });
-        let mut report = ClearReport { freed: 0, units: 0, unreachable: Vec::new() };
-        for (unit, r) in futures::future::join_all(jobs).await {
-            match r {
-                Ok(freed) => {
-                    report.freed += freed;
-                    report.units += 1;
-                }
-                Err(e) => report.unreachable.push((unit, e)),
-            }
-        }
-        report
-    }
-
-    /// Serves clients on `listener` until the listener fails. Each connection runs on its own
-    /// task; a bad frame gets an error reply and closes only its own connection.
-    pub async fn serve(self, listener: TcpListener) -> Result<(), NetError> {
-        net::serve_connections(listener, "controller clients", move |stream| {
-            let this = self.clone();
-            async move {
-                if let Err(e) = this.serve_connection(stream).await {
-                    tracing::debug!(error = %e, "transfer-queue controller connection ended");
-                }
-            }
-        })
-        .await
-    }
-
-    async fn serve_connection(&self, mut stream: TcpStream) -> Result<(), NetError> {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        let hello =
-            net::accept_hello(&mut stream, &self.config.auth, CONTROLLER_MAGIC, WIRE_VERSION, deadline, |_| Ok(()))
-                .await?;
-        let peer = hello.peer;
-        let mut buf = Vec::new();
-        let mut out = Vec::new();
-        loop {
-            for b in [&mut buf, &mut out] {
-                if b.capacity() > codec::KEPT_BUFFER {
-                    *b = Vec::new();
-                }
-            }
-            let (header, body) = match codec::read_message(&mut stream, &mut buf).await {
-                Ok(m) => m,
-                Err(ReadError::Io(e)) => return Err(NetError::io("reading a request", peer.as_str(), e)),
-                Err(ReadError::Codec(e)) => {
-                    // Out of step with the peer: reply, then close.
-                    let reply = Body::Error { code: ErrorCode::Malformed, message: e.to_string() };
-                    let _ = codec::write_message(&mut stream, &self.reply_header(0), &reply).await;
-                    return Err(NetError::Refused { peer, reason: e.to_string() });
-                }
-            };
-            let reply = if header.token != self.config.auth.token() {
-                Body::Error {
-                    code: ErrorCode::Token,
-                    message: format!(
-                        "job token `{}` does not match `{}`: the client belongs to another job or epoch",
-                        header.token,
-                        self.config.auth.token()
-                    ),
-                }
-            } else {
-                self.handle(body).await
-            };
-            codec::write_message_with(&mut stream, &self.reply_header(header.request_id), &reply, &mut out)
-                .await
-                .map_err(|e| NetError::io("replying", peer.as_str(), e))?;
-        }
-    }
-
-    fn reply_header(&self, request_id: u32) -> Header {
-        Header { version: WIRE_VERSION, request_id, token: self.config.auth.token().to_string() }
-    }
-
-    async fn handle(&self, body: Body) -> Body {
-        let err = |e: ControllerError| Body::Error { code: e.code(), message: e.to_string() };
-        match body {
-            Body::Register(meta) => self.register(&meta).map(|_| Body::Done).unwrap_or_else(err),
-            Body::Claim { partition, group, n, min, required } => self
-                .claim(&partition, &group, n as usize, min as usize, &required)
-                .map(|c| Body::Claimed { claim_id: c.claim_id, lease_ms: c.lease.as_millis() as u64, meta: c.meta })
-                .unwrap_or_else(err),
-            Body::Ack { partition, group, claim_id, keys } => self
-                .ack(&partition, &group, claim_id, &keys)
-                .map(|r| Body::Acked { acked: r.acked, stale: r.stale })
-                .unwrap_or_else(err),
-            Body::Clear { partition } => {
-                let r = self.clear(&partition).await;
-                if r.unreachable.is_empty() {
-                    Body::Cleared { freed: r.freed, units: r.units }
-                } else {
-                    Body::Error {
-                        code: ErrorCode::UnitUnreachable,
-                        message: format!(
-                            "partition `{partition}` cleared in {} units ({} bytes), but these could not be reached: {}",
-                            r.units,
-                            r.freed,
-                            r.unreachable.iter().map(|(u, e)| format!("unit {u}: {e}")).collect::<Vec<_>>().join("; ")
-                        ),
-                    }
-                }
-            }
-            Body::ReportLost { unit, reason } => {
-                if !self.config.units.contains_key(&unit) && !self.config.units.is_empty() {
-                    return Body::Error {
-                        code: ErrorCode::NotFound,
-                        message: format!("storage unit {unit} is not in the plan"),
-                    };
-                }
-                self.mark_unit_lost(unit, &reason);
-                Body::Done
-            }
-            other => Body::Error {
-                code: ErrorCode::BadRequest,
-                message: format!("message kind {} is not a controller request", other.kind()),
-            },
-        }
-    }
-
-    /// Units whose watch connection is up now.
-    pub fn watched_units(&self) -> Vec<u32> {
-        self.watched.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect()
-    }
-
-    /// Watches every storage unit: once connected, a unit whose connection drops or stops
-    /// answering pings is marked lost (its partitions too). Units not up yet are retried. The
-    /// watchers stop when the last handle of this controller is dropped.
-    pub fn watch_units(&self, ping_every: Duration) {
-        for (&unit, addr) in &self.config.units {
-            let weak: Weak<Mutex<Controller>> = Arc::downgrade(&self.core);
-            let addr = addr.clone();
-            let auth = self.config.auth.clone();
-            let watched = self.watched.clone();
-            let closed = self.closed.clone();
-            tokio::spawn(async move {
-                let connected = || watched.lock().unwrap_or_else(|e| e.into_inner()).insert(unit);
-                let reason = watch_unit(&addr, &auth, ping_every, || weak.strong_count() > 0, connected).await;
-                watched.lock().unwrap_or_else(|e| e.into_inner()).remove(&unit);
-                if closed.load(std::sync::atomic::Ordering::SeqCst) {
-                    return;
-                }
-                if let (Some(core), Some(reason)) = (weak.upgrade(), reason) {
-                    let lost = lock(&core).mark_unit_lost(unit, &reason);
-                    tracing::warn!(unit, %addr, %reason, partitions = ?lost, "transfer-queue storage unit lost");
-                }
-            });
-        }
-    }
-}
-
-/// Connects to a storage unit as the controller, with the handshake.
-pub(crate) async fn connect_unit(
-    addr: &str,
-    auth: &JobAuth,
-    peer_name: &str,
-    deadline: tokio::time::Instant,
-) -> Result<TcpStream, NetError> {
-    let mut s = net::connect_retry(addr, deadline, "transfer-queue storage").await?;
-    let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: peer_name.into(), extra: vec![] };
-    net::send_hello(&mut s, auth, &hello, deadline, addr).await?;
-    Ok(s)
-}
-
-/// Clears `partition` in the unit at `addr` over its kept connection `link` (opened if there is
-/// none yet). A kept connection that fails is replaced once: the unit may have closed it.
-async fn clear_unit(
-    link: &tokio::sync::Mutex<Option<TcpStream>>,
-    addr: &str,
-    auth: &JobAuth,
-    partition: &str,
-    deadline: tokio::time::Instant,
-) -> Result<u64, String> {
-    let work = async {
-        let mut link = link.lock().await;
-        // Out of the slot while in use: a request cut short (the deadline) drops the connection
-        // rather than leave its reply for the next clear to read.
-        let mut kept = link.take();
-        loop {
-            let reused = kept.is_some();
-            let mut s = match kept.take() {
-                Some(s) => s,
-                None => connect_unit(addr, auth, "tq-controller", deadline).await.map_err(|e| e.to_string())?,
-            };
-            match clear_request(&mut s, auth, partition).await {
-                Ok(answer) => {
-                    *link = Some(s);
-                    return answer;
-                }
-                Err(e) if !reused => return Err(e),
-                Err(_) => {}
-            }
-        }
-    };
-    match tokio::time::timeout_at(deadline, work).await {
-        Ok(r) => r,
-        Err(_) => Err(format!("no answer from {addr} within the deadline")),
-    }
-}
-
-/// One clear request on `s`: the unit's answer (`Ok(Err)` when it refused), or the connection's
-/// failure.
-async fn clear_request(s: &mut TcpStream, auth: &JobAuth, partition: &str) -> Result<Result<u64, String>, String> {
-    let h = Header { version: WIRE_VERSION, request_id: 1, token: auth.token().into() };
-    codec::write_message(s, &h, &Body::ClearUnit { partition: partition.into() }).await.map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    Ok(match codec::read_message(s, &mut buf).await.map_err(|e| e.to_string())? {
-        (_, Body::Cleared { freed, .. }) => Ok(freed),
-        (_, Body::Error { message, .. }) => Err(message),
-        (_, other) => Err(format!("unexpected reply kind {}", other.kind())),
-    })
-}
-
-/// Returns why the unit is considered dead, or None if the watch ended because `alive` said so.
-async fn watch_unit(
-    addr: &str,
-    auth: &JobAuth,
-    ping_every: Duration,
-    alive: impl Fn() -> bool,
-    connected: impl FnOnce() -> bool,
-) -> Option<String> {
-    // Connect (the unit may start after the controller), retrying while the controller lives.
-    let mut s = loop {
-        if !alive() {
-            return None;
-        }
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        match connect_unit(addr, auth, "tq-controller-watch", deadline).await {
-            Ok(s) => {
-                connected();
-                break s;
-            }
-            Err(NetError::Refused { reason, .. }) => return Some(format!("refused the controller: {reason}")),
-            Err(_) => continue,
-        }
-    };
-    let mut buf = Vec::new();
-    let h = Header { version: WIRE_VERSION, request_id: 0, token: auth.token().into() };
-    let answer_within = ping_every.max(Duration::from_millis(100)) * 10;
-    loop {
-        if !alive() {
-            return None;
-        }
-        if let Err(e) = codec::write_message(&mut s, &h, &Body::Ping).await {
-            return Some(format!("connection to {addr} failed: {e}"));
-        }
-        match tokio::time::timeout(answer_within, codec::read_message(&mut s, &mut buf)).await {
-            Ok(Ok((_, Body::Pong { .. }))) => {}
-            Ok(Ok((_, other))) => return Some(format!("answered a ping with kind {}", other.kind())),
-            Ok(Err(e)) => return Some(format!("connection to {addr} closed: {e}")),
-            Err(_) => return Some(format!("no ping answer from {addr} within {answer_within:?}")),
-        }
-        tokio::time::sleep(ping_every).await;
     }
 }
 
