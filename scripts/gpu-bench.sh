@@ -3,12 +3,12 @@
 # Usage: scripts/gpu-bench.sh DIR [STEP...]
 #   DIR holds the release `rlplane` binary and the `gpu-tests` executable (the path printed by
 #   `cargo test --release -p rlplane --test gpu --no-run`).
-#   STEPs (default: all): tests split auto colocated window sharded local control
+#   STEPs (default: all): tests split auto colocated window sharded local colocated4 colocated2 control
 # Every step has its own time limit, so that one hang cannot eat the rest.
 set -u
 dir=${1:?usage: scripts/gpu-bench.sh DIR [STEP...]}
 shift
-steps=${*:-tests split auto colocated window sharded local control}
+steps=${*:-tests split auto colocated window sharded local colocated4 colocated2 control}
 bin=$dir/rlplane
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -49,6 +49,28 @@ if want local && [ "$gpus" -ge 4 ]; then
   timeout 150 "$bin" local manifests/rljob-gpu-4.yaml --transport cuda-ipc
   step "the whole loop on 4 GPUs, colocated (CUDA IPC on each GPU)"
   timeout 150 "$bin" local manifests/rljob-gpu-colocated-4.yaml
+fi
+if want colocated4 && [ "$gpus" -ge 4 ]; then
+  # Colocated across GPUs against its copy ceiling, alternated: each GPU copies its own 8 GB shard
+  # and takes the other 8 GB of its replica over NVLink (bench/layouts/colocated_ceiling.py; the
+  # plan's prediction: rlplane bench layout manifests/rljob-gpu-colocated-4.yaml).
+  for i in 1 2; do
+    step "colocated across 4 GPUs, run $i: the layout's copy ceiling, then rlplane local"
+    timeout 120 python3 bench/layouts/colocated_ceiling.py --gpus 4 --tp 2 --bytes 16060522496
+    timeout 150 "$bin" local manifests/rljob-gpu-colocated-4.yaml
+  done
+fi
+if want colocated2 && [ "$gpus" -ge 2 ]; then
+  # The same traffic per GPU on two GPUs (FSDP 2 and TP 2: 8 GB local + 8 GB over NVLink each),
+  # and data-parallel 2, where each GPU's replica refits its own engine (16 GB local each).
+  for i in 1 2; do
+    step "colocated on 2 GPUs, run $i: ceilings, then FSDP 2, TP 2, data-parallel 2"
+    timeout 120 python3 bench/layouts/colocated_ceiling.py --gpus 2 --tp 2 --bytes 16060522496
+    timeout 120 python3 bench/layouts/colocated_ceiling.py --gpus 2 --tp 1 --bytes 16060522496
+    for layout in fsdp2 tp2 dp2; do
+      timeout 150 "$bin" local bench/layouts/rljob-colocated-2-$layout.yaml 2>&1 | grep -E "^refit|GPU|error"
+    done
+  done
 fi
 if want control; then
   step "control plane: dispatch latency against a raw TCP ping-pong"
