@@ -13,7 +13,9 @@ use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 use tokio::time::Instant;
 
-use super::protocol::{self, ApiError, ColumnDesc, ErrorKind, MemoryDesc, PROTOCOL_VERSION, Request, invalid, state};
+use super::protocol::{
+    self, ApiError, ColumnDesc, ErrorKind, MemoryDesc, PROTOCOL_VERSION, Request, TensorReg, invalid, state,
+};
 use super::weights::UserWeights;
 use super::{Link, RankInfo, Role, Scope, State, dtype_name, parse_dtype};
 use crate::refit::WeightsState;
@@ -144,141 +146,17 @@ impl Session {
         Ok(())
     }
 
+    /// Answers one request of the local API: checks that it may come now, then does it.
     async fn handle(&mut self, req: Request) -> Result<Reply, ApiError> {
-        match (self.scope, &req) {
-            (None, Request::Hello { .. }) => {}
-            (None, _) => return Err(ApiError::new(ErrorKind::Protocol, "the first request must be hello")),
-            (Some(_), Request::Hello { .. }) => {
-                return Err(ApiError::new(ErrorKind::Protocol, "hello was already said on this connection"));
-            }
-            (Some(scope), req) => check_scope(scope, req)?,
-        }
+        self.check_order(&req)?;
         Ok(match req {
-            Request::Hello { protocol: p, role, session, .. } => {
-                if p != PROTOCOL_VERSION {
-                    return Err(ApiError::new(
-                        ErrorKind::Protocol,
-                        format!(
-                            "protocol {p} is not spoken here; this sidecar speaks {PROTOCOL_VERSION}: upgrade the client or the worker image so they match"
-                        ),
-                    ));
-                }
-                if role != self.role().name() {
-                    return Err(state(format!(
-                        "hello as {role} on a {} rank's socket ({}); connect to the {role}'s socket",
-                        self.role().name(),
-                        super::socket_path(&self.link.info.plan, self.link.info.me).display()
-                    )));
-                }
-                let scope = self.claim(session.as_deref())?;
-                self.scope = Some(scope);
-                let mut reply = self.link.info.hello();
-                reply["session"] = json!(scope.name());
-                Reply::Now(reply)
-            }
+            Request::Hello { protocol, role, session, .. } => Reply::Now(self.hello(protocol, &role, session)?),
             Request::RegisterWeights { mode, tensors, name_map } => {
-                let staged = match mode.as_deref() {
-                    None | Some("direct") => false,
-                    Some("staged") => true,
-                    Some(m) => return Err(invalid(format!("mode: {m:?}; use \"direct\" or \"staged\""))),
-                };
-                if staged && self.role() == Role::Trainer {
-                    return Err(invalid("mode: \"staged\" is for engines; a trainer registers its tensors directly"));
-                }
-                if staged && !tensors.is_empty() {
-                    return Err(invalid("mode \"staged\" takes no tensors: the sidecar allocates the buffers"));
-                }
-                let Ok(mut slot) = self.link.shared.weights.try_lock() else {
-                    return Err(state("a refit is under way; register again once publish / wait_version returns"));
-                };
-                if self.link.peek(|s| s.lent.is_some()) {
-                    return Err(state("the staged weights are lent (acquire_staged); release_staged first"));
-                }
-                let info = &self.link.info;
-                let manifest = info.plan.manifest();
-                let (w, staging) = if staged {
-                    let path = info.shm_dir.join(format!("{}-staging", info.file_prefix()));
-                    let mode = info.shared_mode();
-                    let (w, d) = UserWeights::staging(&manifest, info.memory_kind(), info.gpu.as_ref(), &path, mode)
-                        .map_err(|e| ApiError::new(ErrorKind::Failed, format!("allocating staging buffers: {e:#}")))?;
-                    if info.memory_kind() == super::weights::MemoryKind::Host {
-                        self.link.update(|s| s.files.push(path.clone()));
-                    }
-                    (w, Some(d))
-                } else {
-                    let writable = self.role() == Role::Engine;
-                    let w = UserWeights::register(
-                        &manifest,
-                        &info.expected,
-                        &tensors,
-                        &name_map,
-                        info.memory_kind(),
-                        info.gpu.as_ref(),
-                        writable,
-                    )?;
-                    (w, None)
-                };
-                let mut reply = json!({"ok": true, "tensors": w.tensors(), "bytes": w.total_bytes()});
-                if let Some(d) = staging {
-                    reply["staging"] = Value::Array(d);
-                }
-                *slot = Some(w);
-                drop(slot);
-                self.link.update(|s| {
-                    let generation = s.registered.map_or(1, |(g, _)| g + 1);
-                    s.registered = Some((generation, staged));
-                    // Staged buffers hold nothing yet.
-                    if staged {
-                        s.held = WeightsState::Empty;
-                    }
-                });
-                Reply::Now(reply)
+                Reply::Now(self.register_weights(mode.as_deref(), &tensors, &name_map)?)
             }
-            Request::Publish { version } => {
-                self.need(Role::Trainer, "publish")?;
-                self.link.update(|s| -> Result<(), ApiError> {
-                    if s.registered.is_none() {
-                        return Err(state("publish before register_weights: register the tensors to send first"));
-                    }
-                    if version != s.next_version {
-                        return Err(state(format!(
-                            "publish({version}) but the job is at version {}: publish 0 for the initial weights, then each step's number after training on its batch",
-                            s.next_version
-                        )));
-                    }
-                    s.published = Some(version);
-                    Ok(())
-                })?;
-                let out = self
-                    .wait_session(None, |s| match &s.refit {
-                        Some((v, r)) if *v == version => Some(r.clone()),
-                        _ => None,
-                    })
-                    .await?;
-                match out {
-                    Ok(v) => Reply::Now(v),
-                    Err(e) => return Err(ApiError::new(ErrorKind::Failed, e)),
-                }
-            }
+            Request::Publish { version } => Reply::Now(self.publish(version).await?),
             Request::CheckpointSaved { step, uri } => {
-                self.need(Role::Trainer, "checkpoint_saved")?;
-                let first = self.link.info.plan.first_version() as u64;
-                self.link.update(|s| -> Result<(), ApiError> {
-                    if uri.is_empty() || uri.len() > MAX_CHECKPOINT_URI {
-                        return Err(invalid(format!(
-                            "checkpoint_saved: uri is {} bytes; give the path or URI of the checkpoint (1 to {MAX_CHECKPOINT_URI} bytes)",
-                            uri.len()
-                        )));
-                    }
-                    if step < first || step > s.next_version {
-                        return Err(state(format!(
-                            "checkpoint_saved(step={step}) but the trainer is at step {}: report the step whose state the checkpoint holds, after training on it",
-                            s.next_version
-                        )));
-                    }
-                    s.checkpoint = Some(rlplane_api::CheckpointRef { step, uri });
-                    Ok(())
-                })?;
+                self.checkpoint_saved(step, uri)?;
                 Reply::Now(json!({"ok": true}))
             }
             Request::CheckGpus { uuids } => {
@@ -289,59 +167,15 @@ impl Session {
                 self.report_scalars(step, values)?;
                 Reply::Now(json!({"ok": true}))
             }
-            Request::NextBatch {} => {
-                self.need(Role::Trainer, "next_batch")?;
-                let b = self.wait_session(None, |s| s.batch.take().map(Some).or(s.done.then_some(None))).await?;
-                match b {
-                    Some(v) => Reply::Now(v),
-                    None => Reply::Now(json!({"ok": true, "done": true})),
-                }
-            }
-            Request::NextStep {} => {
-                self.need(Role::Engine, "next_step")?;
-                if !self.link.info.producer() {
-                    return Err(state(
-                        "next_step on an engine rank that is not its engine's producer: only tensor-parallel rank 0 of an engine generates and puts rollouts; the others only take weights (wait_version)",
-                    ));
-                }
-                let r = self
-                    .wait_session(None, |s| match s.step {
-                        Some((step, false)) => {
-                            s.step = Some((step, true));
-                            Some(Some((step, s.held.current())))
-                        }
-                        _ => s.done.then_some(None),
-                    })
-                    .await?;
-                match r {
-                    Some((step, version)) => Reply::Now(json!({"ok": true, "step": step, "version": version})),
-                    None => Reply::Now(json!({"ok": true, "done": true})),
-                }
-            }
+            Request::NextBatch {} => Reply::Now(self.next_batch().await?),
+            Request::NextStep {} => Reply::Now(self.next_step().await?),
             Request::Put { step, keys, tokens, tags, columns } => {
                 self.need(Role::Engine, "put")?;
-                let current = self.link.peek(|s| s.step);
-                if current != Some((step, true)) {
-                    return Err(state(format!(
-                        "put for step {step}, but {}",
-                        match current {
-                            Some((s, true)) => format!("the step under way is {s}"),
-                            _ => "no step is under way: call next_step first".into(),
-                        }
-                    )));
-                }
-                let r = self.put(step, keys, tokens, tags, &columns).await?;
-                Reply::Now(r)
+                self.check_put_step(step)?;
+                Reply::Now(self.put(step, keys, tokens, tags, &columns).await?)
             }
             Request::EndStep { step } => {
-                self.need(Role::Engine, "end_step")?;
-                self.link.update(|s| match s.step {
-                    Some((st, true)) if st == step => {
-                        s.ended = Some(step);
-                        Ok(())
-                    }
-                    _ => Err(state(format!("end_step({step}) but step {step} is not under way"))),
-                })?;
+                self.end_step(step)?;
                 Reply::Now(json!({"ok": true}))
             }
             Request::Version {} => {
@@ -355,19 +189,7 @@ impl Session {
                 let held = self.wait_held(version, deadline).await?;
                 Reply::Now(held_reply(held))
             }
-            Request::AcquireStaged { version, timeout_s } => {
-                self.need(Role::Engine, "acquire_staged")?;
-                if !self.link.staged() {
-                    return Err(state(
-                        "acquire_staged without a staged registration: register_weights with mode \"staged\" first",
-                    ));
-                }
-                let deadline = deadline_of(timeout_s)?;
-                let held = self.wait_held(version, deadline).await?;
-                let v = held.current().unwrap_or(version);
-                self.link.update(|s| s.lent = Some(v));
-                Reply::Now(json!({"ok": true, "version": v}))
-            }
+            Request::AcquireStaged { version, timeout_s } => Reply::Now(self.acquire_staged(version, timeout_s).await?),
             Request::ReleaseStaged {} => {
                 self.need(Role::Engine, "release_staged")?;
                 self.link.update(|s| s.lent = None);
@@ -383,6 +205,255 @@ impl Session {
                 Reply::Close(json!({"ok": true}))
             }
         })
+    }
+
+    /// Refuses a request out of turn: `hello` first and once, then only calls of the
+    /// connection's scope.
+    fn check_order(&self, req: &Request) -> Result<(), ApiError> {
+        match (self.scope, req) {
+            (None, Request::Hello { .. }) => Ok(()),
+            (None, _) => Err(ApiError::new(ErrorKind::Protocol, "the first request must be hello")),
+            (Some(_), Request::Hello { .. }) => {
+                Err(ApiError::new(ErrorKind::Protocol, "hello was already said on this connection"))
+            }
+            (Some(scope), req) => check_scope(scope, req),
+        }
+    }
+
+    /// `hello`: checks the client's protocol and role, claims the session it asks for, and
+    /// answers what the client needs to know of the rank.
+    fn hello(&mut self, protocol: u32, role: &str, session: Option<String>) -> Result<Value, ApiError> {
+        if protocol != PROTOCOL_VERSION {
+            return Err(ApiError::new(
+                ErrorKind::Protocol,
+                format!(
+                    "protocol {protocol} is not spoken here; this sidecar speaks {PROTOCOL_VERSION}: upgrade the client or the worker image so they match"
+                ),
+            ));
+        }
+        if role != self.role().name() {
+            return Err(state(format!(
+                "hello as {role} on a {} rank's socket ({}); connect to the {role}'s socket",
+                self.role().name(),
+                super::socket_path(&self.link.info.plan, self.link.info.me).display()
+            )));
+        }
+        let scope = self.claim(session.as_deref())?;
+        self.scope = Some(scope);
+        let mut reply = self.link.info.hello();
+        reply["session"] = json!(scope.name());
+        Ok(reply)
+    }
+
+    /// `register_weights`: maps the user's tensors (direct) or allocates the sidecar's buffers
+    /// for an engine to load into (staged), and makes them the rank's weights. Refused while a
+    /// refit holds the weights or an engine has the staged buffers lent.
+    fn register_weights(
+        &self,
+        mode: Option<&str>,
+        tensors: &[TensorReg],
+        name_map: &BTreeMap<String, String>,
+    ) -> Result<Value, ApiError> {
+        let staged = match mode {
+            None | Some("direct") => false,
+            Some("staged") => true,
+            Some(m) => return Err(invalid(format!("mode: {m:?}; use \"direct\" or \"staged\""))),
+        };
+        if staged && self.role() == Role::Trainer {
+            return Err(invalid("mode: \"staged\" is for engines; a trainer registers its tensors directly"));
+        }
+        if staged && !tensors.is_empty() {
+            return Err(invalid("mode \"staged\" takes no tensors: the sidecar allocates the buffers"));
+        }
+        let Ok(mut slot) = self.link.shared.weights.try_lock() else {
+            return Err(state("a refit is under way; register again once publish / wait_version returns"));
+        };
+        if self.link.peek(|s| s.lent.is_some()) {
+            return Err(state("the staged weights are lent (acquire_staged); release_staged first"));
+        }
+        let (w, staging) = if staged {
+            let (w, d) = self.allocate_staging()?;
+            (w, Some(d))
+        } else {
+            (self.map_registered(tensors, name_map)?, None)
+        };
+        let mut reply = json!({"ok": true, "tensors": w.tensors(), "bytes": w.total_bytes()});
+        if let Some(d) = staging {
+            reply["staging"] = Value::Array(d);
+        }
+        *slot = Some(w);
+        drop(slot);
+        self.link.update(|s| {
+            let generation = s.registered.map_or(1, |(g, _)| g + 1);
+            s.registered = Some((generation, staged));
+            // Staged buffers hold nothing yet.
+            if staged {
+                s.held = WeightsState::Empty;
+            }
+        });
+        Ok(reply)
+    }
+
+    /// The sidecar's own buffers for every tensor of the model, and their descriptors for the
+    /// engine to map; a host file is recorded to be removed with the rank.
+    fn allocate_staging(&self) -> Result<(UserWeights, Vec<Value>), ApiError> {
+        let info = &self.link.info;
+        let manifest = info.plan.manifest();
+        let path = info.shm_dir.join(format!("{}-staging", info.file_prefix()));
+        let mode = info.shared_mode();
+        let (w, d) = UserWeights::staging(&manifest, info.memory_kind(), info.gpu.as_ref(), &path, mode)
+            .map_err(|e| ApiError::new(ErrorKind::Failed, format!("allocating staging buffers: {e:#}")))?;
+        if info.memory_kind() == super::weights::MemoryKind::Host {
+            self.link.update(|s| s.files.push(path.clone()));
+        }
+        Ok((w, d))
+    }
+
+    /// The user's tensors, checked against what this rank holds of the model and mapped; an
+    /// engine's are mapped writable, since refit writes into them.
+    fn map_registered(
+        &self,
+        tensors: &[TensorReg],
+        name_map: &BTreeMap<String, String>,
+    ) -> Result<UserWeights, ApiError> {
+        let info = &self.link.info;
+        let manifest = info.plan.manifest();
+        let writable = self.role() == Role::Engine;
+        UserWeights::register(
+            &manifest,
+            &info.expected,
+            tensors,
+            name_map,
+            info.memory_kind(),
+            info.gpu.as_ref(),
+            writable,
+        )
+    }
+
+    /// `publish(version)`: the trainer's weights hold `version`; answers once its refit is over,
+    /// with the refit's outcome.
+    async fn publish(&self, version: u64) -> Result<Value, ApiError> {
+        self.need(Role::Trainer, "publish")?;
+        self.link.update(|s| -> Result<(), ApiError> {
+            if s.registered.is_none() {
+                return Err(state("publish before register_weights: register the tensors to send first"));
+            }
+            if version != s.next_version {
+                return Err(state(format!(
+                    "publish({version}) but the job is at version {}: publish 0 for the initial weights, then each step's number after training on its batch",
+                    s.next_version
+                )));
+            }
+            s.published = Some(version);
+            Ok(())
+        })?;
+        let out = self
+            .wait_session(None, |s| match &s.refit {
+                Some((v, r)) if *v == version => Some(r.clone()),
+                _ => None,
+            })
+            .await?;
+        out.map_err(|e| ApiError::new(ErrorKind::Failed, e))
+    }
+
+    /// `checkpoint_saved`: keeps the trainer's newest checkpoint for the job's status, from which
+    /// a gang restart resumes.
+    fn checkpoint_saved(&self, step: u64, uri: String) -> Result<(), ApiError> {
+        self.need(Role::Trainer, "checkpoint_saved")?;
+        let first = self.link.info.plan.first_version() as u64;
+        self.link.update(|s| -> Result<(), ApiError> {
+            if uri.is_empty() || uri.len() > MAX_CHECKPOINT_URI {
+                return Err(invalid(format!(
+                    "checkpoint_saved: uri is {} bytes; give the path or URI of the checkpoint (1 to {MAX_CHECKPOINT_URI} bytes)",
+                    uri.len()
+                )));
+            }
+            if step < first || step > s.next_version {
+                return Err(state(format!(
+                    "checkpoint_saved(step={step}) but the trainer is at step {}: report the step whose state the checkpoint holds, after training on it",
+                    s.next_version
+                )));
+            }
+            s.checkpoint = Some(rlplane_api::CheckpointRef { step, uri });
+            Ok(())
+        })
+    }
+
+    /// `next_batch`: waits for the trainer's next batch, or answers `done` once the job ended.
+    async fn next_batch(&self) -> Result<Value, ApiError> {
+        self.need(Role::Trainer, "next_batch")?;
+        let b = self.wait_session(None, |s| s.batch.take().map(Some).or(s.done.then_some(None))).await?;
+        Ok(match b {
+            Some(v) => v,
+            None => json!({"ok": true, "done": true}),
+        })
+    }
+
+    /// `next_step`: waits for the engine's next step to generate and hands it out, with the
+    /// weights' version; answers `done` once the job ended.
+    async fn next_step(&self) -> Result<Value, ApiError> {
+        self.need(Role::Engine, "next_step")?;
+        if !self.link.info.producer() {
+            return Err(state(
+                "next_step on an engine rank that is not its engine's producer: only tensor-parallel rank 0 of an engine generates and puts rollouts; the others only take weights (wait_version)",
+            ));
+        }
+        let r = self
+            .wait_session(None, |s| match s.step {
+                Some((step, false)) => {
+                    s.step = Some((step, true));
+                    Some(Some((step, s.held.current())))
+                }
+                _ => s.done.then_some(None),
+            })
+            .await?;
+        Ok(match r {
+            Some((step, version)) => json!({"ok": true, "step": step, "version": version}),
+            None => json!({"ok": true, "done": true}),
+        })
+    }
+
+    /// Refuses a `put` for any step but the one handed out and under way.
+    fn check_put_step(&self, step: u32) -> Result<(), ApiError> {
+        let current = self.link.peek(|s| s.step);
+        if current != Some((step, true)) {
+            return Err(state(format!(
+                "put for step {step}, but {}",
+                match current {
+                    Some((s, true)) => format!("the step under way is {s}"),
+                    _ => "no step is under way: call next_step first".into(),
+                }
+            )));
+        }
+        Ok(())
+    }
+
+    /// `end_step`: every rollout of the step under way is put.
+    fn end_step(&self, step: u32) -> Result<(), ApiError> {
+        self.need(Role::Engine, "end_step")?;
+        self.link.update(|s| match s.step {
+            Some((st, true)) if st == step => {
+                s.ended = Some(step);
+                Ok(())
+            }
+            _ => Err(state(format!("end_step({step}) but step {step} is not under way"))),
+        })
+    }
+
+    /// `acquire_staged`: waits until the staged buffers hold `version` or newer, then lends them
+    /// to the engine (a registration is refused until it releases them).
+    async fn acquire_staged(&self, version: u64, timeout_s: Option<f64>) -> Result<Value, ApiError> {
+        self.need(Role::Engine, "acquire_staged")?;
+        if !self.link.staged() {
+            return Err(state(
+                "acquire_staged without a staged registration: register_weights with mode \"staged\" first",
+            ));
+        }
+        let deadline = deadline_of(timeout_s)?;
+        let held = self.wait_held(version, deadline).await?;
+        let v = held.current().unwrap_or(version);
+        self.link.update(|s| s.lent = Some(v));
+        Ok(json!({"ok": true, "version": v}))
     }
 
     /// Checks that the rank's GPU is one the user's process sees: the worker opens the process's

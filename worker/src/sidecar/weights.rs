@@ -74,116 +74,21 @@ impl UserWeights {
         let mut problems = Vec::new();
         let mut regions: Vec<Option<Region>> = vec![None; manifest.len()];
         let mut seen = vec![false; manifest.len()];
-        let mut files: HashMap<String, Arc<SharedFile>> = HashMap::new();
-        let mut mappings: HashMap<[u8; 64], Arc<IpcMapping>> = HashMap::new();
-        let mut imported = HashMap::new();
+        let mut mapped = Mapped::new(gpu, writable);
         let mut bytes = 0u64;
         for reg in tensors {
             let name = name_map.get(&reg.name).unwrap_or(&reg.name);
-            let Some(&i) = index.get(name.as_str()) else {
-                problems.push(format!("`{name}` is not a tensor of the job's model (spec.model)"));
-                continue;
-            };
-            let t = &manifest[i];
-            if std::mem::replace(&mut seen[i], true) {
-                problems.push(format!("`{name}` is registered twice"));
-                continue;
-            }
-            let Some(shape) = &expected[i] else {
-                problems.push(format!("`{name}`: this rank holds none of it (another pipeline stage or tensor-parallel rank sends it); leave it out"));
-                continue;
-            };
-            if reg.dtype != t.dtype.as_str() {
-                problems.push(format!("`{name}`: dtype {} registered, the model has {}", reg.dtype, t.dtype.as_str()));
-                continue;
-            }
-            if &reg.shape != shape {
-                problems.push(format!("`{name}`: shape {:?} registered, this rank holds {shape:?}", reg.shape));
-                continue;
-            }
-            let len = shape.iter().product::<u64>() * t.dtype.size_bytes();
-            if reg.memory.nbytes() != len {
-                problems.push(format!(
-                    "`{name}`: memory.nbytes is {} but {shape:?} of {} is {len} bytes",
-                    reg.memory.nbytes(),
-                    t.dtype.as_str()
-                ));
-                continue;
-            }
-            let region = match (&reg.memory, kind) {
-                (MemoryDesc::Shm { path, offset, nbytes }, MemoryKind::Host) => {
-                    let file = match files.get(path) {
-                        Some(f) => f.clone(),
-                        None => {
-                            let f = Arc::new(
-                                SharedFile::open(Path::new(path), writable).map_err(|e| invalid(e.to_string()))?,
-                            );
-                            files.insert(path.clone(), f.clone());
-                            f
-                        }
-                    };
-                    let addr = file.address(*offset, *nbytes).map_err(|e| invalid(format!("`{name}`: {e}")))?;
-                    Region { space: MemorySpace::Host, addr, len: *nbytes }
-                }
-                (MemoryDesc::CudaIpc { handle, offset, nbytes }, MemoryKind::Device) => {
-                    let gpu = gpu.ok_or_else(|| invalid("cuda_ipc memory on a rank without a GPU"))?;
-                    let h = parse_handle(handle).map_err(|e| invalid(format!("`{name}`: {}", e.message)))?;
-                    let m = match mappings.get(&h) {
-                        Some(m) => m.clone(),
-                        None => {
-                            let m = Arc::new(IpcMapping::open(gpu, &IpcHandle(h)).map_err(|e| {
-                                invalid(format!(
-                                    "`{name}`: {e}; the handle must come from cudaIpcGetMemHandle (or PyTorch's _share_cuda_) of a live allocation on GPU {} in another process",
-                                    gpu.ordinal()
-                                ))
-                            })?);
-                            imported.insert(m.ptr(), IpcHandle(h));
-                            mappings.insert(h, m.clone());
-                            m
-                        }
-                    };
-                    let (_, size) = crate::gpu::allocation_range(m.ptr()).map_err(|e| invalid(e.to_string()))?;
-                    if offset.checked_add(*nbytes).is_none_or(|end| end > size as u64) {
-                        return Err(invalid(format!(
-                            "`{name}`: bytes {offset}..{} lie outside the {size}-byte allocation of its handle",
-                            offset.saturating_add(*nbytes)
-                        )));
-                    }
-                    Region {
-                        space: MemorySpace::Device { ordinal: gpu.ordinal() as u32 },
-                        addr: m.ptr() + offset,
-                        len: *nbytes,
-                    }
-                }
-                (MemoryDesc::Shm { .. }, MemoryKind::Device) => {
-                    problems.push(format!(
-                        "`{name}`: shared memory registered, but this job's refit moves GPU memory (CUDA IPC / NCCL): register CUDA tensors"
-                    ));
-                    continue;
-                }
-                (MemoryDesc::CudaIpc { .. }, MemoryKind::Host) => {
-                    problems.push(format!(
-                        "`{name}`: a CUDA IPC handle registered, but this job's refit moves host memory over TCP (spec.device Cpu or spec.refit.transport Tcp): register CPU tensors in shared memory"
-                    ));
+            let (i, len) = match check_tensor(manifest, expected, &index, &mut seen, kind, reg, name) {
+                Ok(found) => found,
+                Err(problem) => {
+                    problems.push(problem);
                     continue;
                 }
             };
+            regions[i] = Some(mapped.region(name, &reg.memory)?);
             bytes += len;
-            regions[i] = Some(region);
         }
-        let missing: Vec<&str> = manifest
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| expected[*i].is_some() && !seen[*i])
-            .map(|(_, t)| t.name.as_str())
-            .collect();
-        if !missing.is_empty() {
-            let mut m: Vec<String> = missing.iter().take(12).map(|n| format!("`{n}`")).collect();
-            if missing.len() > 12 {
-                m.push(format!("and {} more", missing.len() - 12));
-            }
-            problems.push(format!("{} tensor(s) of the model not registered: {}", missing.len(), m.join(", ")));
-        }
+        problems.extend(unregistered(manifest, expected, &seen));
         if !problems.is_empty() {
             return Err(ApiError::new(
                 ErrorKind::Mismatch,
@@ -195,10 +100,10 @@ impl UserWeights {
         }
         Ok(UserWeights {
             regions,
-            _files: files.into_values().collect(),
-            _mappings: mappings.into_values().collect(),
+            _files: mapped.files.into_values().collect(),
+            _mappings: mapped.ipc.into_values().collect(),
             _staging: None,
-            imported,
+            imported: mapped.imported,
             gpu: gpu.cloned(),
             bytes,
         })
@@ -301,6 +206,142 @@ impl UserWeights {
         // SAFETY: live mappings of this registration, read while no refit writes them (the user
         // process promises not to write its registered tensors while a publish is under way).
         unsafe { plan_digest(plan, side, verify, version, id, region, self.gpu.as_ref()) }
+    }
+}
+
+/// Checks one registered tensor, named `name` in the model, against the model and what this
+/// rank holds of it: its index in the model and its length in bytes, or what is wrong with it.
+/// Marks it in `seen`, so a second registration of it is refused.
+fn check_tensor(
+    manifest: &[TensorSpec],
+    expected: &[Option<Vec<u64>>],
+    index: &HashMap<&str, usize>,
+    seen: &mut [bool],
+    kind: MemoryKind,
+    reg: &TensorReg,
+    name: &str,
+) -> Result<(usize, u64), String> {
+    let Some(&i) = index.get(name) else {
+        return Err(format!("`{name}` is not a tensor of the job's model (spec.model)"));
+    };
+    let t = &manifest[i];
+    if std::mem::replace(&mut seen[i], true) {
+        return Err(format!("`{name}` is registered twice"));
+    }
+    let Some(shape) = &expected[i] else {
+        return Err(format!(
+            "`{name}`: this rank holds none of it (another pipeline stage or tensor-parallel rank sends it); leave it out"
+        ));
+    };
+    if reg.dtype != t.dtype.as_str() {
+        return Err(format!("`{name}`: dtype {} registered, the model has {}", reg.dtype, t.dtype.as_str()));
+    }
+    if &reg.shape != shape {
+        return Err(format!("`{name}`: shape {:?} registered, this rank holds {shape:?}", reg.shape));
+    }
+    let len = shape.iter().product::<u64>() * t.dtype.size_bytes();
+    if reg.memory.nbytes() != len {
+        return Err(format!(
+            "`{name}`: memory.nbytes is {} but {shape:?} of {} is {len} bytes",
+            reg.memory.nbytes(),
+            t.dtype.as_str()
+        ));
+    }
+    match (&reg.memory, kind) {
+        (MemoryDesc::Shm { .. }, MemoryKind::Device) => Err(format!(
+            "`{name}`: shared memory registered, but this job's refit moves GPU memory (CUDA IPC / NCCL): register CUDA tensors"
+        )),
+        (MemoryDesc::CudaIpc { .. }, MemoryKind::Host) => Err(format!(
+            "`{name}`: a CUDA IPC handle registered, but this job's refit moves host memory over TCP (spec.device Cpu or spec.refit.transport Tcp): register CPU tensors in shared memory"
+        )),
+        _ => Ok((i, len)),
+    }
+}
+
+/// The problem of the tensors this rank holds that were not registered, if any.
+fn unregistered(manifest: &[TensorSpec], expected: &[Option<Vec<u64>>], seen: &[bool]) -> Option<String> {
+    let missing: Vec<&str> = manifest
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| expected[*i].is_some() && !seen[*i])
+        .map(|(_, t)| t.name.as_str())
+        .collect();
+    if missing.is_empty() {
+        return None;
+    }
+    let mut m: Vec<String> = missing.iter().take(12).map(|n| format!("`{n}`")).collect();
+    if missing.len() > 12 {
+        m.push(format!("and {} more", missing.len() - 12));
+    }
+    Some(format!("{} tensor(s) of the model not registered: {}", missing.len(), m.join(", ")))
+}
+
+/// What keeps a registration's memory mapped: each shared-memory file and each CUDA IPC
+/// allocation is opened once, however many tensors lie in it.
+struct Mapped<'a> {
+    gpu: Option<&'a Gpu>,
+    /// Files are mapped writable for an engine, which refit writes into.
+    writable: bool,
+    /// Base of each IPC-mapped allocation → the user's handle for it (see [`UserWeights`]).
+    imported: HashMap<u64, IpcHandle>,
+    ipc: HashMap<[u8; 64], Arc<IpcMapping>>,
+    files: HashMap<String, Arc<SharedFile>>,
+}
+
+impl<'a> Mapped<'a> {
+    fn new(gpu: Option<&'a Gpu>, writable: bool) -> Mapped<'a> {
+        Mapped { gpu, writable, imported: HashMap::new(), ipc: HashMap::new(), files: HashMap::new() }
+    }
+
+    /// The region of tensor `name` in `memory`, which [`check_tensor`] found to be of the kind
+    /// the transport moves.
+    fn region(&mut self, name: &str, memory: &MemoryDesc) -> Result<Region, ApiError> {
+        match memory {
+            MemoryDesc::Shm { path, offset, nbytes } => self.shm_region(name, path, *offset, *nbytes),
+            MemoryDesc::CudaIpc { handle, offset, nbytes } => self.ipc_region(name, handle, *offset, *nbytes),
+        }
+    }
+
+    /// `nbytes` at `offset` of the shared-memory file at `path`.
+    fn shm_region(&mut self, name: &str, path: &str, offset: u64, nbytes: u64) -> Result<Region, ApiError> {
+        let file = match self.files.get(path) {
+            Some(f) => f.clone(),
+            None => {
+                let f = Arc::new(SharedFile::open(Path::new(path), self.writable).map_err(|e| invalid(e.to_string()))?);
+                self.files.insert(path.to_string(), f.clone());
+                f
+            }
+        };
+        let addr = file.address(offset, nbytes).map_err(|e| invalid(format!("`{name}`: {e}")))?;
+        Ok(Region { space: MemorySpace::Host, addr, len: nbytes })
+    }
+
+    /// `nbytes` at `offset` of the allocation the user's CUDA IPC `handle` (hex) names.
+    fn ipc_region(&mut self, name: &str, handle: &str, offset: u64, nbytes: u64) -> Result<Region, ApiError> {
+        let gpu = self.gpu.ok_or_else(|| invalid("cuda_ipc memory on a rank without a GPU"))?;
+        let h = parse_handle(handle).map_err(|e| invalid(format!("`{name}`: {}", e.message)))?;
+        let m = match self.ipc.get(&h) {
+            Some(m) => m.clone(),
+            None => {
+                let m = Arc::new(IpcMapping::open(gpu, &IpcHandle(h)).map_err(|e| {
+                    invalid(format!(
+                        "`{name}`: {e}; the handle must come from cudaIpcGetMemHandle (or PyTorch's _share_cuda_) of a live allocation on GPU {} in another process",
+                        gpu.ordinal()
+                    ))
+                })?);
+                self.imported.insert(m.ptr(), IpcHandle(h));
+                self.ipc.insert(h, m.clone());
+                m
+            }
+        };
+        let (_, size) = crate::gpu::allocation_range(m.ptr()).map_err(|e| invalid(e.to_string()))?;
+        if offset.checked_add(nbytes).is_none_or(|end| end > size as u64) {
+            return Err(invalid(format!(
+                "`{name}`: bytes {offset}..{} lie outside the {size}-byte allocation of its handle",
+                offset.saturating_add(nbytes)
+            )));
+        }
+        Ok(Region { space: MemorySpace::Device { ordinal: gpu.ordinal() as u32 }, addr: m.ptr() + offset, len: nbytes })
     }
 }
 
