@@ -32,7 +32,7 @@ use tracing::Instrument;
 
 use crate::control::{Command, ControlError, ControlServer, Pending, Report, percentile_us, update_seed};
 use crate::net::JobAuth;
-use crate::tq::{ControllerConfig, TqController, assign};
+use crate::tq::{Assignment, Claim, ControllerConfig, TqController, assign};
 use crate::workload::fields;
 
 /// Consumer group under which the trainer claims.
@@ -398,6 +398,9 @@ fn update_commands(roles: &Roles, step: u32, seed: Option<u64>) -> Vec<(String, 
     cmds
 }
 
+/// Runs step `step`: generate (or collect the Generate queued behind the last step's refit),
+/// claim and assign, train, then update and refit while the step's partition is cleared. Also
+/// returns the next step's Generate when it went out queued behind this step's refit.
 #[allow(clippy::too_many_arguments)]
 async fn run_step(
     plan: &WorkerPlan,
@@ -410,150 +413,247 @@ async fn run_step(
     timeout: Duration,
     observer: &dyn Observer,
 ) -> Result<(StepRecord, Option<Pending>), CoordinatorError> {
-    let partition = format!("step-{step}");
+    let run = StepRun { plan, roles, controller, step, partition: format!("step-{step}"), timeout, observer };
     let mut rec = StepRecord { step, version: step as u64, ..Default::default() };
     let step_start = Instant::now();
-    let control = |rec: &mut StepRecord, part: &str, secs: f64| {
-        let secs = secs.max(0.0);
-        rec.control_s += secs;
-        *rec.control_phases.entry(part.to_string()).or_insert(0.0) += secs;
-    };
 
     // 1. Generate: sent now, or already queued behind each producer's refit of the last step.
-    observer.progress(Progress::Phase { step, phase: "generate" });
-    let t = Instant::now();
-    let pending = match generate {
-        Some(p) => p,
-        None => server.dispatch(roles.producers.iter().map(|p| (p, Command::Generate { step }))).await?,
-    };
-    let generated = server.wait(pending, Instant::now() + timeout).instrument(tracing::info_span!("generate")).await?;
-    let generate_wall = t.elapsed().as_secs_f64();
-    let generate_busy = max_busy(&generated);
-    control(&mut rec, "generate", generate_wall - generate_busy);
-    // A producer that started during the last step's refit finished some of its work before
-    // this step began: the phase is its work, not the shorter wait.
-    rec.generate_s = generate_wall.max(generate_busy);
-    rec.put_bytes = generated.values().map(|r| r.bytes).sum();
-    rec.put_s = max_phase(&generated, &["put"]);
-    let produced: u64 = generated.values().map(|r| r.samples).sum();
+    let (generated, produced) = run.generate(server, generate, &mut rec).await?;
 
     // 2. Claim and assign: metadata only.
-    observer.progress(Progress::Phase { step, phase: "assign" });
-    let t = Instant::now();
-    // A user's engine puts its own fields, all at once per sample: every sample put is complete.
-    let required: Vec<String> = if plan.user_processes.generation {
-        Vec::new()
-    } else {
-        [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD].map(String::from).to_vec()
-    };
-    let n = produced as usize;
-    let tc = Instant::now();
-    let claim = tracing::info_span!("tq.claim", samples = n)
-        .in_scope(|| controller.claim(&partition, TRAINER_GROUP, n, n, &required))
-        .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
-    rec.claim_s = tc.elapsed().as_secs_f64();
-    if claim.meta.len() as u64 != produced {
-        return Err(CoordinatorError::Check {
-            step,
-            message: format!("claimed {} samples but the producers put {produced}", claim.meta.len()),
-        });
-    }
-    let assignment = assign(claim.meta.tokens(), roles.shards.len())
-        .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
-    rec.imbalance = assignment.imbalance;
-    rec.samples = claim.meta.len() as u64;
-    rec.tokens = claim.meta.total_tokens();
-    let claim_s = t.elapsed().as_secs_f64();
-    control(&mut rec, "claim", claim_s);
+    let claimed = run.claim_and_assign(produced, &mut rec)?;
 
     // 3. Train: leaders fetch and fan out; everyone digests the batch. When the update needs no
     // seed from here it goes out in the same write, and refit senders' refit behind it.
-    observer.progress(Progress::Phase { step, phase: "train" });
-    let t = Instant::now();
-    // LeaderBroadcast: only leaders get the batch and fan it out. Independent (for comparison):
-    // every rank fetches it itself.
-    let independent = plan.transfer_queue.fetch == TqFetch::Independent;
-    let mut cmds = Vec::new();
-    for (d, (leader, followers)) in roles.shards.iter().enumerate() {
-        let batch = claim.meta.subset(&assignment.shards[d]);
-        for f in followers {
-            cmds.push((f.clone(), Command::Train { step, batch: independent.then(|| batch.clone()) }));
-        }
-        cmds.push((leader.clone(), Command::Train { step, batch: Some(batch) }));
-    }
-    if roles.update_with_train {
-        cmds.extend(update_commands(roles, step, None));
-    }
-    let sent = server.dispatch(cmds).await?;
-    let (train_pending, update_pending) = server.split(sent, |c, _| c == "train");
-    let train = server.wait(train_pending, Instant::now() + timeout).instrument(tracing::info_span!("train")).await?;
-    let train_wall = t.elapsed().as_secs_f64();
+    let trained = run.train(server, &claimed).await?;
     // From here to the end of the refit: the update and refit stretch.
-    let t = Instant::now();
-    let mut batch_digests = Vec::with_capacity(roles.shards.len());
-    for (leader, followers) in &roles.shards {
-        let ld = train[leader].digest;
-        for f in followers {
-            if train[f].digest != ld {
-                return Err(CoordinatorError::Check {
-                    step,
-                    message: format!(
-                        "follower {f} received a batch that differs from its leader {leader}'s (fan-out corrupted data)"
-                    ),
-                });
-            }
-        }
-        batch_digests.push(ld.unwrap_or(0));
-    }
-    let leaders: HashMap<String, Report> = roles.shards.iter().map(|(l, _)| (l.clone(), train[l].clone())).collect();
-    rec.get_bytes = leaders.values().map(|r| r.bytes).sum();
-    rec.get_s = max_phase(&leaders, &["fetch"]);
-    let moved = max_phase(&leaders, &["fetch", "fanout", "writeback"]);
-    rec.transfer_s = claim_s + moved;
+    let stretch = Instant::now();
+    let batch_digests = run.check_fanout(&trained.reports)?;
+    let moved = record_fetch(&mut rec, roles, &trained.reports);
+    rec.transfer_s = claimed.claim_s + moved;
 
     // The update: new weights derive from the step and every shard's batch.
     let update_pending = if roles.update_with_train {
-        update_pending
+        trained.update
     } else {
         server.dispatch(update_commands(roles, step, Some(update_seed(step, &batch_digests)))).await?
     };
     // The claim's acknowledgment is bookkeeping: done while the trainer ranks update.
-    let keys: Vec<String> = claim.meta.keys().map(String::from).collect();
-    tracing::info_span!("tq.ack")
-        .in_scope(|| controller.ack(&partition, TRAINER_GROUP, claim.claim_id, &keys))
-        .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+    run.acknowledge(&claimed.claim)?;
 
     // 4. Refit, while the partition is cleared in every storage unit (nothing waits for the
     // clear: it only frees memory, so it stays off the step's critical path).
-    let clearing = async {
-        let c = Instant::now();
-        let cleared = controller.clear(&partition).instrument(tracing::info_span!("tq.clear")).await;
-        if !cleared.unreachable.is_empty() {
-            tracing::warn!(step, units = ?cleared.unreachable, "storage units unreachable while clearing");
-        }
-        c.elapsed().as_secs_f64()
-    };
     let (done, clear_s) =
-        tokio::join!(update_and_refit(server, roles, step, update_pending, next, timeout, Some(observer)), clearing);
+        tokio::join!(update_and_refit(server, roles, step, update_pending, next, timeout, Some(observer)), run.clear());
     let done = done?;
     rec.scalars = mean_scalars(generated.values().chain(done.update.values()));
-    let wall = t.elapsed().as_secs_f64();
+    let wall = stretch.elapsed().as_secs_f64();
     if clear_s > wall {
         // Clearing took longer than the update and refit: the excess delayed the step.
-        control(&mut rec, "clear", clear_s - wall);
+        rec.add_control("clear", clear_s - wall);
     }
-    rec.train_s = (train_wall - moved).max(0.0) + done.update_wall;
+    rec.train_s = (trained.wall - moved).max(0.0) + done.update_wall;
     if roles.update_with_train {
         // The update started on each rank right after its training: one stretch of work from
         // Train to the end of the refit.
-        control(&mut rec, "train+update+refit", train_wall + wall - done.longest_chain(Some(&train)));
+        rec.add_control("train+update+refit", trained.wall + wall - done.longest_chain(Some(&trained.reports)));
     } else {
-        control(&mut rec, "train", train_wall - max_busy(&train));
-        control(&mut rec, "update+refit", wall - done.longest_chain(None));
+        rec.add_control("train", trained.wall - max_busy(&trained.reports));
+        rec.add_control("update+refit", wall - done.longest_chain(None));
     }
-    // The refit itself: the slowest rank's engine time (a sender's ends once every receiver
-    // confirmed). The receivers' digest check is reported apart.
-    let refit = &done.refit;
+    record_refit(&mut rec, roles, &done.refit);
+    rec.total_s = step_start.elapsed().as_secs_f64();
+    tracing::debug!(seconds = rec.total_s, refit_s = rec.refit_s, "step finished");
+    Ok((rec, done.generate))
+}
+
+impl StepRecord {
+    /// Adds `secs` (none if negative) of control-plane time spent in `part` of the step.
+    fn add_control(&mut self, part: &str, secs: f64) {
+        let secs = secs.max(0.0);
+        self.control_s += secs;
+        *self.control_phases.entry(part.to_string()).or_insert(0.0) += secs;
+    }
+}
+
+/// What one step's phases share.
+struct StepRun<'a> {
+    plan: &'a WorkerPlan,
+    roles: &'a Roles,
+    controller: &'a TqController,
+    step: u32,
+    /// The transfer-queue partition of the step's samples.
+    partition: String,
+    /// The bound on each command.
+    timeout: Duration,
+    observer: &'a dyn Observer,
+}
+
+/// The step's samples as the trainer group claimed them, and their split over the shards.
+struct Claimed {
+    claim: Claim,
+    assignment: Assignment,
+    /// Seconds of the claim-and-assign phase.
+    claim_s: f64,
+}
+
+/// What the train phase left behind.
+struct Trained {
+    /// Every trainer rank's train report.
+    reports: HashMap<String, Report>,
+    /// The update (and senders' refit queued behind it) when it went out with Train; empty
+    /// otherwise.
+    update: Pending,
+    /// Seconds from sending Train until every rank's report was in.
+    wall: f64,
+}
+
+impl StepRun<'_> {
+    /// Waits for every producer's rollouts of the step (sending Generate first unless
+    /// `generate` is already queued) and records the phase; returns the producers' reports and
+    /// how many samples they put.
+    async fn generate(
+        &self,
+        server: &mut ControlServer,
+        generate: Option<Pending>,
+        rec: &mut StepRecord,
+    ) -> Result<(HashMap<String, Report>, u64), CoordinatorError> {
+        let step = self.step;
+        self.observer.progress(Progress::Phase { step, phase: "generate" });
+        let t = Instant::now();
+        let pending = match generate {
+            Some(p) => p,
+            None => server.dispatch(self.roles.producers.iter().map(|p| (p, Command::Generate { step }))).await?,
+        };
+        let generated =
+            server.wait(pending, Instant::now() + self.timeout).instrument(tracing::info_span!("generate")).await?;
+        let generate_wall = t.elapsed().as_secs_f64();
+        let generate_busy = max_busy(&generated);
+        rec.add_control("generate", generate_wall - generate_busy);
+        // A producer that started during the last step's refit finished some of its work before
+        // this step began: the phase is its work, not the shorter wait.
+        rec.generate_s = generate_wall.max(generate_busy);
+        rec.put_bytes = generated.values().map(|r| r.bytes).sum();
+        rec.put_s = max_phase(&generated, &["put"]);
+        let produced: u64 = generated.values().map(|r| r.samples).sum();
+        Ok((generated, produced))
+    }
+
+    /// Claims the `produced` samples of the step for the trainer group and balances their
+    /// tokens over the data-parallel shards (longest first).
+    fn claim_and_assign(&self, produced: u64, rec: &mut StepRecord) -> Result<Claimed, CoordinatorError> {
+        let step = self.step;
+        self.observer.progress(Progress::Phase { step, phase: "assign" });
+        let t = Instant::now();
+        // A user's engine puts its own fields, all at once per sample: every sample put is complete.
+        let required: Vec<String> = if self.plan.user_processes.generation {
+            Vec::new()
+        } else {
+            [fields::INPUT_IDS, fields::RESPONSE_MASK, fields::OLD_LOGPROBS, fields::REWARD].map(String::from).to_vec()
+        };
+        let n = produced as usize;
+        let tc = Instant::now();
+        let claim = tracing::info_span!("tq.claim", samples = n)
+            .in_scope(|| self.controller.claim(&self.partition, TRAINER_GROUP, n, n, &required))
+            .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+        rec.claim_s = tc.elapsed().as_secs_f64();
+        if claim.meta.len() as u64 != produced {
+            return Err(CoordinatorError::Check {
+                step,
+                message: format!("claimed {} samples but the producers put {produced}", claim.meta.len()),
+            });
+        }
+        let assignment = assign(claim.meta.tokens(), self.roles.shards.len())
+            .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
+        rec.imbalance = assignment.imbalance;
+        rec.samples = claim.meta.len() as u64;
+        rec.tokens = claim.meta.total_tokens();
+        let claim_s = t.elapsed().as_secs_f64();
+        rec.add_control("claim", claim_s);
+        Ok(Claimed { claim, assignment, claim_s })
+    }
+
+    /// Sends every trainer rank its Train (and the update behind it when it needs no seed from
+    /// here) and waits for the Train reports.
+    async fn train(&self, server: &mut ControlServer, claimed: &Claimed) -> Result<Trained, CoordinatorError> {
+        let step = self.step;
+        self.observer.progress(Progress::Phase { step, phase: "train" });
+        let t = Instant::now();
+        // LeaderBroadcast: only leaders get the batch and fan it out. Independent (for comparison):
+        // every rank fetches it itself.
+        let independent = self.plan.transfer_queue.fetch == TqFetch::Independent;
+        let mut cmds = Vec::new();
+        for (d, (leader, followers)) in self.roles.shards.iter().enumerate() {
+            let batch = claimed.claim.meta.subset(&claimed.assignment.shards[d]);
+            for f in followers {
+                cmds.push((f.clone(), Command::Train { step, batch: independent.then(|| batch.clone()) }));
+            }
+            cmds.push((leader.clone(), Command::Train { step, batch: Some(batch) }));
+        }
+        if self.roles.update_with_train {
+            cmds.extend(update_commands(self.roles, step, None));
+        }
+        let sent = server.dispatch(cmds).await?;
+        let (train_pending, update) = server.split(sent, |c, _| c == "train");
+        let reports =
+            server.wait(train_pending, Instant::now() + self.timeout).instrument(tracing::info_span!("train")).await?;
+        Ok(Trained { reports, update, wall: t.elapsed().as_secs_f64() })
+    }
+
+    /// Checks that every follower received its leader's batch; returns each shard's batch
+    /// digest, from which the update's seed derives.
+    fn check_fanout(&self, train: &HashMap<String, Report>) -> Result<Vec<u64>, CoordinatorError> {
+        let mut batch_digests = Vec::with_capacity(self.roles.shards.len());
+        for (leader, followers) in &self.roles.shards {
+            let ld = train[leader].digest;
+            for f in followers {
+                if train[f].digest != ld {
+                    return Err(CoordinatorError::Check {
+                        step: self.step,
+                        message: format!(
+                            "follower {f} received a batch that differs from its leader {leader}'s (fan-out corrupted data)"
+                        ),
+                    });
+                }
+            }
+            batch_digests.push(ld.unwrap_or(0));
+        }
+        Ok(batch_digests)
+    }
+
+    /// Acknowledges the trainer group's claim of the step's samples.
+    fn acknowledge(&self, claim: &Claim) -> Result<(), CoordinatorError> {
+        let keys: Vec<String> = claim.meta.keys().map(String::from).collect();
+        tracing::info_span!("tq.ack")
+            .in_scope(|| self.controller.ack(&self.partition, TRAINER_GROUP, claim.claim_id, &keys))
+            .map_err(|e| CoordinatorError::Queue { step: self.step, message: e.to_string() })?;
+        Ok(())
+    }
+
+    /// Clears the step's partition in every storage unit; returns the seconds it took.
+    async fn clear(&self) -> f64 {
+        let c = Instant::now();
+        let cleared = self.controller.clear(&self.partition).instrument(tracing::info_span!("tq.clear")).await;
+        if !cleared.unreachable.is_empty() {
+            tracing::warn!(step = self.step, units = ?cleared.unreachable, "storage units unreachable while clearing");
+        }
+        c.elapsed().as_secs_f64()
+    }
+}
+
+/// Records the leaders' fetch of the step's batches; returns the seconds the slowest leader
+/// spent moving data (fetch, fan-out and write-back).
+fn record_fetch(rec: &mut StepRecord, roles: &Roles, train: &HashMap<String, Report>) -> f64 {
+    let leaders: HashMap<String, Report> = roles.shards.iter().map(|(l, _)| (l.clone(), train[l].clone())).collect();
+    rec.get_bytes = leaders.values().map(|r| r.bytes).sum();
+    rec.get_s = max_phase(&leaders, &["fetch"]);
+    max_phase(&leaders, &["fetch", "fanout", "writeback"])
+}
+
+/// Records the refit itself: the slowest rank's engine time (a sender's ends once every receiver
+/// confirmed), the receivers' digest check apart, what each receiver got, and each refit phase's
+/// slowest rank.
+fn record_refit(rec: &mut StepRecord, roles: &Roles, refit: &HashMap<String, Report>) {
     rec.refit_s = max_phase(refit, &["total"]);
     rec.verify_s = max_phase(refit, &["verify"]);
     let receivers: Vec<&String> = roles.refit_groups.iter().flat_map(|(_, r)| r).collect();
@@ -565,9 +665,6 @@ async fn run_step(
             *e = e.max(*v);
         }
     }
-    rec.total_s = step_start.elapsed().as_secs_f64();
-    tracing::debug!(seconds = rec.total_s, refit_s = rec.refit_s, "step finished");
-    Ok((rec, done.generate))
 }
 
 /// What [`update_and_refit`] collected.

@@ -13,12 +13,14 @@ use std::time::Instant;
 use anyhow::Context;
 use rlplane_api::plan::{ProcessRole, TrainerCoords, WorkerPlan};
 use rlplane_api::{RefitVerify, TqFetch};
+use tokio::net::TcpListener;
 use tracing::Instrument;
 
 use super::refit_side::{self, Sender, Side, Weights, segment_id};
 use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
 use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::digest::Digest;
+use crate::gpu::Gpu;
 use crate::metrics::RankMetrics;
 use crate::net::JobAuth;
 use crate::refit::TransportKind as Kind;
@@ -84,44 +86,9 @@ pub async fn run(
         Some(_) => Some(refit_side::bind(plan, me, kind, true).await?),
         None => None,
     };
-    // This rank's shard layout: the plan it sends with, or the shard it would send.
-    let shard_plan = match &group {
-        Some(_) => refit::sender_plan(plan, me)?,
-        None => RefitPlan::sharded(
-            &plan.manifest(),
-            refit::bucket_bytes(plan)?,
-            plan.refit.align_bytes,
-            refit::shard_coords(plan, &coords),
-        )?,
-    };
+    let shard_plan = shard_layout(plan, me, &coords, group.is_some())?;
     let user = if plan.user_processes.trainer {
-        let manifest = plan.manifest();
-        // Each tensor's part this rank holds: (shape, offset in the full tensor).
-        let (expected, offsets) = manifest
-            .iter()
-            .zip(shard_plan.tensors())
-            .map(|(t, e)| {
-                e.source_bytes?;
-                match shard_plan.layout() {
-                    SenderLayout::Full => Some((t.shape.clone(), vec![0; t.shape.len()])),
-                    SenderLayout::Sharded(c) => {
-                        Some((refit::plan::shard_shape(t, c)?, refit::plan::shard_offset(t, c)?))
-                    }
-                }
-            })
-            .map(|b| b.map_or((None, None), |(s, o)| (Some(s), Some(o))))
-            .unzip();
-        Some(Link::start(RankInfo {
-            plan: std::sync::Arc::new(plan.clone()),
-            me,
-            role: sidecar::Role::Trainer,
-            kind,
-            gpu: gpu.clone(),
-            expected,
-            offsets,
-            shm_dir: sidecar::shm_dir(),
-            tq: None,
-        })?)
+        Some(start_user_link(plan, me, kind, gpu.clone(), &shard_plan)?)
     } else {
         None
     };
@@ -131,21 +98,7 @@ pub async fn run(
     };
     announce_ready(metrics.addr());
 
-    let leader_batch = plan.transfer_queue.fetch == TqFetch::LeaderBroadcast;
-    let fanout = async {
-        if !leader_batch {
-            return anyhow::Ok(Fanout::None);
-        }
-        Ok(match &fanout_listener {
-            Some(l) => {
-                let g = plan.fanout_group_of(me).context("a leader without a fan-out group")?;
-                let followers: Vec<String> =
-                    g.members.iter().filter(|&&m| m != me).map(|&m| plan.process(m).name.clone()).collect();
-                Fanout::Leader(TcpFanoutLeader::accept(l, auth, &followers, deadline).await?)
-            }
-            None => Fanout::Follower(TcpFanoutFollower::from_plan(plan, me, auth, deadline).await?),
-        })
-    };
+    let fanout = connect_fanout(plan, me, auth, fanout_listener.as_ref(), deadline);
     let sender = async {
         let (Some(g), Some(listener)) = (&group, &refit_listener) else { return anyhow::Ok(None) };
         let pos = g.senders.iter().position(|&s| s == me).expect("a sender of its group");
@@ -185,6 +138,80 @@ pub async fn run(
     let served = serve_commands(&mut control, &mut rank, &plan.job.token).await;
     super::end_user_session(rank.user.as_ref(), &served).await;
     served
+}
+
+/// This rank's shard layout: the plan it sends with (`sends`: a refit sender), or the shard it
+/// would send.
+fn shard_layout(plan: &WorkerPlan, me: u32, coords: &TrainerCoords, sends: bool) -> anyhow::Result<RefitPlan> {
+    Ok(if sends {
+        refit::sender_plan(plan, me)?
+    } else {
+        RefitPlan::sharded(
+            &plan.manifest(),
+            refit::bucket_bytes(plan)?,
+            plan.refit.align_bytes,
+            refit::shard_coords(plan, coords),
+        )?
+    })
+}
+
+/// Starts the sidecar of the user's trainer process, which expects from it the part of each
+/// tensor that `shard_plan` holds.
+fn start_user_link(
+    plan: &WorkerPlan,
+    me: u32,
+    kind: Kind,
+    gpu: Option<Gpu>,
+    shard_plan: &RefitPlan,
+) -> anyhow::Result<Link> {
+    let manifest = plan.manifest();
+    // Each tensor's part this rank holds: (shape, offset in the full tensor).
+    let (expected, offsets) = manifest
+        .iter()
+        .zip(shard_plan.tensors())
+        .map(|(t, e)| {
+            e.source_bytes?;
+            match shard_plan.layout() {
+                SenderLayout::Full => Some((t.shape.clone(), vec![0; t.shape.len()])),
+                SenderLayout::Sharded(c) => Some((refit::plan::shard_shape(t, c)?, refit::plan::shard_offset(t, c)?)),
+            }
+        })
+        .map(|b| b.map_or((None, None), |(s, o)| (Some(s), Some(o))))
+        .unzip();
+    Link::start(RankInfo {
+        plan: std::sync::Arc::new(plan.clone()),
+        me,
+        role: sidecar::Role::Trainer,
+        kind,
+        gpu,
+        expected,
+        offsets,
+        shm_dir: sidecar::shm_dir(),
+        tq: None,
+    })
+}
+
+/// Joins this rank's fan-out group when leaders broadcast the batch: as its leader when it
+/// has the group's `listener`, else as a follower.
+async fn connect_fanout(
+    plan: &WorkerPlan,
+    me: u32,
+    auth: &JobAuth,
+    listener: Option<&TcpListener>,
+    deadline: tokio::time::Instant,
+) -> anyhow::Result<Fanout> {
+    if plan.transfer_queue.fetch != TqFetch::LeaderBroadcast {
+        return Ok(Fanout::None);
+    }
+    Ok(match listener {
+        Some(l) => {
+            let g = plan.fanout_group_of(me).context("a leader without a fan-out group")?;
+            let followers: Vec<String> =
+                g.members.iter().filter(|&&m| m != me).map(|&m| plan.process(m).name.clone()).collect();
+            Fanout::Leader(TcpFanoutLeader::accept(l, auth, &followers, deadline).await?)
+        }
+        None => Fanout::Follower(TcpFanoutFollower::from_plan(plan, me, auth, deadline).await?),
+    })
 }
 
 impl Rank for Trainer {
