@@ -20,7 +20,7 @@ use crate::control::{Command, ControlClient, ControlError, Report};
 use crate::metrics::RankMetrics;
 use crate::net::JobAuth;
 use crate::refit::RefitPlan;
-use crate::sidecar::{self, Link, RankInfo};
+use crate::sidecar::{self, LocalApi, RankInfo};
 use crate::tq::{ClientConfig, Column, PutOptions, TqClient};
 use crate::workload::{self, fields};
 
@@ -34,7 +34,7 @@ struct Generation {
     weights: Weights,
     metrics: RankMetrics,
     /// The user's engine process, when it does the generation (`spec.generation.template`).
-    user: Option<Link>,
+    user: Option<LocalApi>,
     /// How long the rank waits for the user's process (the coordinator's bound on a command).
     timeout: std::time::Duration,
 }
@@ -71,7 +71,7 @@ pub async fn run(
         false => None,
     };
     let user = if plan.user_processes.generation {
-        Some(Link::start(RankInfo {
+        Some(LocalApi::start(RankInfo {
             plan: Arc::new(plan.clone()),
             me,
             role: sidecar::Role::Engine,
@@ -122,11 +122,11 @@ impl Rank for Generation {
 
 impl Generation {
     async fn generate(&mut self, step: u32) -> anyhow::Result<Report> {
-        if let Some(link) = &self.user {
+        if let Some(local_api) = &self.user {
             // The user's engine generates: hand it the step, wait for its end_step.
             let t = Instant::now();
-            link.start_step(step);
-            let put = link.wait_step_ended(step, tokio::time::Instant::now() + self.timeout).await?;
+            local_api.start_step(step);
+            let put = local_api.wait_step_ended(step, tokio::time::Instant::now() + self.timeout).await?;
             self.metrics.tq_put(put.bytes, put.seconds);
             return Ok(Report {
                 busy_secs: secs(t),
@@ -135,7 +135,7 @@ impl Generation {
                 tokens: put.tokens,
                 phases: [("generate".to_string(), (secs(t) - put.seconds).max(0.0)), ("put".to_string(), put.seconds)]
                     .into(),
-                scalars: link.take_scalars(),
+                scalars: local_api.take_scalars(),
                 ..Default::default()
             });
         }
@@ -186,8 +186,8 @@ impl Generation {
     }
 
     async fn refit(&mut self, version: u64, expected: u64) -> anyhow::Result<Report> {
-        if let Some(link) = self.user.clone() {
-            return self.refit_user(&link, version, expected).await;
+        if let Some(local_api) = self.user.clone() {
+            return self.refit_user(&local_api, version, expected).await;
         }
         let t = Instant::now();
         let stats =
@@ -218,13 +218,13 @@ impl Generation {
 
 impl Generation {
     /// Refit into the user engine's registered tensors (or the staging buffers it loads from).
-    async fn refit_user(&mut self, link: &Link, version: u64, expected: u64) -> anyhow::Result<Report> {
+    async fn refit_user(&mut self, local_api: &LocalApi, version: u64, expected: u64) -> anyhow::Result<Report> {
         let deadline = tokio::time::Instant::now() + self.timeout;
-        link.wait_registered(deadline).await?;
-        if link.staged() {
-            link.wait_staging_free(deadline).await?;
+        local_api.wait_registered(deadline).await?;
+        if local_api.staged() {
+            local_api.wait_staging_free(deadline).await?;
         }
-        let mut weights = link.weights().await;
+        let mut weights = local_api.weights().await;
         let w = weights.as_mut().context("the engine process's weights are not registered")?;
         let t = Instant::now();
         let received = self.receiver.receive(w).instrument(tracing::info_span!("refit.receive", version)).await;
@@ -232,7 +232,7 @@ impl Generation {
         let stats = match received {
             Ok(s) => s,
             Err(e) => {
-                link.set_held(self.receiver.state());
+                local_api.set_held(self.receiver.state());
                 return Err(e);
             }
         };
@@ -255,12 +255,12 @@ impl Generation {
         let digest = match checked {
             Ok(d) => d,
             Err(e) => {
-                link.set_held(crate::refit::WeightsState::Incomplete(version));
+                local_api.set_held(crate::refit::WeightsState::Incomplete(version));
                 return Err(e);
             }
         };
         let held = self.receiver.state();
-        link.set_held(held);
+        local_api.set_held(held);
         if let Some(v) = held.current() {
             self.metrics.weight_version(v);
         }

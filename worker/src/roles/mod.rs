@@ -109,11 +109,11 @@ pub async fn run_process(plan: WorkerPlan, me: u32) -> anyhow::Result<()> {
 /// Ends a user process's session once the rank's command loop ends: at Shutdown its pending
 /// calls answer `done`; after a failure they answer `failed` with the error. Either way the user
 /// process gets a moment to read the answer before this rank exits.
-pub async fn end_user_session(link: Option<&crate::sidecar::Link>, served: &anyhow::Result<()>) {
-    let Some(link) = link else { return };
+pub async fn end_user_session(local_api: Option<&crate::sidecar::LocalApi>, served: &anyhow::Result<()>) {
+    let Some(local_api) = local_api else { return };
     match served {
-        Ok(()) => link.shutdown(Duration::from_secs(10)).await,
-        Err(e) => link.fail(&format!("{e:#}"), Duration::from_secs(2)).await,
+        Ok(()) => local_api.shutdown(Duration::from_secs(10)).await,
+        Err(e) => local_api.fail(&format!("{e:#}"), Duration::from_secs(2)).await,
     }
 }
 

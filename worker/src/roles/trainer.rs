@@ -25,7 +25,7 @@ use crate::metrics::RankMetrics;
 use crate::net::JobAuth;
 use crate::refit::TransportKind as Kind;
 use crate::refit::{self, RefitPlan, SenderLayout};
-use crate::sidecar::{self, Link, RankInfo};
+use crate::sidecar::{self, LocalApi, RankInfo};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
 use crate::workload::{fields, trainer_logprobs};
@@ -47,7 +47,7 @@ struct Trainer {
     sender: Option<(Sender, usize)>,
     metrics: RankMetrics,
     /// The user's trainer process, when it does the training (`spec.trainer.template`).
-    user: Option<Link>,
+    user: Option<LocalApi>,
     /// How long the rank waits for the user's process (the coordinator's bound on a command).
     timeout: std::time::Duration,
     /// How receivers check each refit (`spec.refit.verify`): what this sender digests.
@@ -163,7 +163,7 @@ fn start_user_link(
     kind: Kind,
     gpu: Option<Gpu>,
     shard_plan: &RefitPlan,
-) -> anyhow::Result<Link> {
+) -> anyhow::Result<LocalApi> {
     let manifest = plan.manifest();
     // Each tensor's part this rank holds: (shape, offset in the full tensor).
     let (expected, offsets) = manifest
@@ -178,7 +178,7 @@ fn start_user_link(
         })
         .map(|b| b.map_or((None, None), |(s, o)| (Some(s), Some(o))))
         .unzip();
-    Link::start(RankInfo {
+    LocalApi::start(RankInfo {
         plan: std::sync::Arc::new(plan.clone()),
         me,
         role: sidecar::Role::Trainer,
@@ -303,9 +303,10 @@ impl Trainer {
         let t = Instant::now();
         let digest = batch_digest(&batch);
         self.last_batch = Some((step, digest));
-        if let Some(link) = &self.user {
+        if let Some(local_api) = &self.user {
             // The user's trainer takes it from here (next_batch).
-            link.deliver_batch(step, &batch)
+            local_api
+                .deliver_batch(step, &batch)
                 .with_context(|| format!("handing step {step}'s batch to the trainer process"))?;
             phases.insert("deliver".to_string(), secs(t));
             return Ok(train_report(&batch, fetched, digest, phases, secs(t0)));
@@ -337,13 +338,13 @@ impl Trainer {
 
     async fn update(&mut self, step: u32, seed: Option<u64>) -> anyhow::Result<Report> {
         let t = Instant::now();
-        if let Some(link) = &self.user {
+        if let Some(local_api) = &self.user {
             // The user's optimizer step is the update: wait for its publish.
             let version = step as u64;
-            link.wait_published(version, tokio::time::Instant::now() + self.timeout).await?;
+            local_api.wait_published(version, tokio::time::Instant::now() + self.timeout).await?;
             let waited = secs(t);
             let t = Instant::now();
-            let weights = link.weights().await;
+            let weights = local_api.weights().await;
             let w = weights.as_ref().context("the trainer process published without registered weights")?;
             // The senders' digest of the version, computed once here whatever the number of
             // receivers; each receiver's check compares with it.
@@ -353,7 +354,7 @@ impl Trainer {
                 }
                 None => {
                     // Nothing to send from this rank: its publish is done once recorded.
-                    link.refit_finished(
+                    local_api.refit_finished(
                         version,
                         Ok(serde_json::json!({"ok": true, "version": version, "refit_s": 0.0, "bytes": 0})),
                     );
@@ -366,8 +367,8 @@ impl Trainer {
                 digest,
                 bytes: w.total_bytes(),
                 phases: [("user".to_string(), waited), ("digest".to_string(), secs(t))].into(),
-                checkpoint: link.take_checkpoint(),
-                scalars: link.take_scalars(),
+                checkpoint: local_api.take_checkpoint(),
+                scalars: local_api.take_scalars(),
                 ..Default::default()
             });
         }
@@ -401,8 +402,8 @@ impl Trainer {
         let (sender, _) = self.sender.as_mut().context("this trainer rank sends no refit")?;
         let t = Instant::now();
         let stats = match &self.user {
-            Some(link) => {
-                let weights = link.weights().await;
+            Some(local_api) => {
+                let weights = local_api.weights().await;
                 let sent = match weights.as_ref() {
                     Some(w) => {
                         sender.lend_imported(w.imported());
@@ -416,7 +417,7 @@ impl Trainer {
                     ),
                     Err(e) => Err(format!("{} sending version {version}: {e:#}", self.metrics_name())),
                 };
-                link.refit_finished(version, outcome);
+                local_api.refit_finished(version, outcome);
                 sent?
             }
             None => sender.send(version, &self.shard).instrument(tracing::info_span!("refit.send", version)).await?,

@@ -6,7 +6,7 @@
 //! - [`weights`]: the user's registered tensors (shared memory, CUDA IPC) as refit memory.
 //! - `session`: one connection's requests.
 //!
-//! A rank in user mode owns a [`Link`]: the state it shares with the session. The rank's command
+//! A rank in user mode owns a [`LocalApi`]: the state it shares with the session. The rank's command
 //! loop (driven by the coordinator) and the session (driven by the user) meet in it: the rank
 //! hands a batch or a step to the user and waits for the user's publish or end of step; the
 //! session waits for what the rank provides. Neither knows the other's code.
@@ -289,17 +289,18 @@ struct Shared {
     weights: tokio::sync::Mutex<Option<UserWeights>>,
 }
 
-/// The state a rank shares with its user session. See the module docs.
+/// A rank's end of the local API: the state its command loop shares with the user's sessions.
+/// See the module docs.
 #[derive(Clone)]
-pub struct Link {
+pub struct LocalApi {
     info: Arc<RankInfo>,
     shared: Arc<Shared>,
 }
 
-impl Link {
+impl LocalApi {
     /// Binds the rank's socket and serves sessions until the rank ends: one at a time, or an
     /// engine's rollouts and weights sessions side by side ([`Scope`]).
-    pub fn start(info: RankInfo) -> anyhow::Result<Link> {
+    pub fn start(info: RankInfo) -> anyhow::Result<LocalApi> {
         let path = socket_path(&info.plan, info.me);
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -323,7 +324,7 @@ impl Link {
         let (changed, _) = watch::channel(0);
         // A resumed run's first publish is the restored checkpoint's version.
         let first_version = info.plan.first_version() as u64;
-        let link = Link {
+        let local_api = LocalApi {
             info: Arc::new(info),
             shared: Arc::new(Shared {
                 state: Mutex::new(State { next_version: first_version, ..State::default() }),
@@ -331,7 +332,7 @@ impl Link {
                 weights: tokio::sync::Mutex::new(None),
             }),
         };
-        let serving = link.clone();
+        let serving = local_api.clone();
         tokio::spawn(async move {
             loop {
                 match listener.accept().await {
@@ -347,7 +348,7 @@ impl Link {
             }
         });
         tracing::info!(socket = %path.display(), "local API listening");
-        Ok(link)
+        Ok(local_api)
     }
 
     /// The rank's description.
@@ -356,13 +357,13 @@ impl Link {
     }
 
     fn update<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
-        let out = f(&mut self.shared.state.lock().expect("link state"));
+        let out = f(&mut self.shared.state.lock().expect("local API state"));
         self.shared.changed.send_modify(|n| *n += 1);
         out
     }
 
     fn peek<T>(&self, f: impl FnOnce(&State) -> T) -> T {
-        f(&self.shared.state.lock().expect("link state"))
+        f(&self.shared.state.lock().expect("local API state"))
     }
 
     /// Waits until `f` gives an answer, or `deadline`. `f` sees the state under its lock.
@@ -374,7 +375,7 @@ impl Link {
         let mut rx = self.shared.changed.subscribe();
         loop {
             {
-                let mut s = self.shared.state.lock().expect("link state");
+                let mut s = self.shared.state.lock().expect("local API state");
                 if let Some(v) = f(&mut s) {
                     drop(s);
                     self.shared.changed.send_modify(|n| *n += 1);

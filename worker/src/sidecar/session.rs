@@ -17,7 +17,7 @@ use super::protocol::{
     self, ApiError, ColumnDesc, ErrorKind, MemoryDesc, PROTOCOL_VERSION, Request, TensorReg, invalid, state,
 };
 use super::weights::UserWeights;
-use super::{Link, RankInfo, Role, Scope, State, dtype_name, parse_dtype};
+use super::{LocalApi, RankInfo, Role, Scope, State, dtype_name, parse_dtype};
 use crate::refit::WeightsState;
 use crate::shm::SharedFile;
 use crate::tq::{Batch, Column, FieldSpec, PutOptions};
@@ -31,14 +31,14 @@ const MAX_SCALARS: usize = 32;
 const MAX_SCALAR_NAME: usize = 64;
 
 /// Serves one connection until it closes.
-pub async fn serve(link: Link, stream: UnixStream) {
+pub async fn serve(local_api: LocalApi, stream: UnixStream) {
     let (mut rd, mut wr) = stream.into_split();
-    let mut session = Session { link: link.clone(), files: HashMap::new(), scope: None, clean: false };
+    let mut session = Session { local_api: local_api.clone(), files: HashMap::new(), scope: None, clean: false };
     let outcome = session.run(&mut rd, &mut wr).await;
     // A connection that never said hello holds nothing.
     let Some(scope) = session.scope else { return };
-    let role = link.info.role.name();
-    link.update(|s| {
+    let role = local_api.info.role.name();
+    local_api.update(|s| {
         if let Some(i) = s.sessions.iter().position(|&x| x == scope) {
             s.sessions.remove(i);
         }
@@ -63,15 +63,15 @@ pub async fn serve(link: Link, stream: UnixStream) {
     });
     if session.clean && scope.owns_weights() {
         // `bye`: the registration goes with the process.
-        if let Ok(mut w) = link.shared.weights.try_lock() {
+        if let Ok(mut w) = local_api.shared.weights.try_lock() {
             *w = None;
-            link.update(|s| s.registered = None);
+            local_api.update(|s| s.registered = None);
         }
     }
 }
 
 struct Session {
-    link: Link,
+    local_api: LocalApi,
     /// Shared-memory files of puts, by path (the client reuses its arena).
     files: HashMap<String, Arc<SharedFile>>,
     /// What this connection does, once its `hello` was accepted.
@@ -132,7 +132,7 @@ impl Session {
     }
 
     fn role(&self) -> Role {
-        self.link.info.role
+        self.local_api.info.role
     }
 
     fn need(&self, role: Role, op: &str) -> Result<(), ApiError> {
@@ -180,7 +180,7 @@ impl Session {
             }
             Request::Version {} => {
                 self.need(Role::Engine, "version")?;
-                let held = self.link.peek(|s| s.held);
+                let held = self.local_api.peek(|s| s.held);
                 Reply::Now(held_reply(held))
             }
             Request::WaitVersion { version, timeout_s } => {
@@ -192,12 +192,13 @@ impl Session {
             Request::AcquireStaged { version, timeout_s } => Reply::Now(self.acquire_staged(version, timeout_s).await?),
             Request::ReleaseStaged {} => {
                 self.need(Role::Engine, "release_staged")?;
-                self.link.update(|s| s.lent = None);
+                self.local_api.update(|s| s.lent = None);
                 Reply::Now(json!({"ok": true}))
             }
             Request::Fail { message } => {
                 let role = self.role().name();
-                self.link.update(|s| s.user_error = Some(format!("the {role} process reported a failure: {message}")));
+                self.local_api
+                    .update(|s| s.user_error = Some(format!("the {role} process reported a failure: {message}")));
                 Reply::Now(json!({"ok": true}))
             }
             Request::Bye {} => {
@@ -235,12 +236,12 @@ impl Session {
             return Err(state(format!(
                 "hello as {role} on a {} rank's socket ({}); connect to the {role}'s socket",
                 self.role().name(),
-                super::socket_path(&self.link.info.plan, self.link.info.me).display()
+                super::socket_path(&self.local_api.info.plan, self.local_api.info.me).display()
             )));
         }
         let scope = self.claim(session.as_deref())?;
         self.scope = Some(scope);
-        let mut reply = self.link.info.hello();
+        let mut reply = self.local_api.info.hello();
         reply["session"] = json!(scope.name());
         Ok(reply)
     }
@@ -265,10 +266,10 @@ impl Session {
         if staged && !tensors.is_empty() {
             return Err(invalid("mode \"staged\" takes no tensors: the sidecar allocates the buffers"));
         }
-        let Ok(mut slot) = self.link.shared.weights.try_lock() else {
+        let Ok(mut slot) = self.local_api.shared.weights.try_lock() else {
             return Err(state("a refit is under way; register again once publish / wait_version returns"));
         };
-        if self.link.peek(|s| s.lent.is_some()) {
+        if self.local_api.peek(|s| s.lent.is_some()) {
             return Err(state("the staged weights are lent (acquire_staged); release_staged first"));
         }
         let (w, staging) = if staged {
@@ -283,7 +284,7 @@ impl Session {
         }
         *slot = Some(w);
         drop(slot);
-        self.link.update(|s| {
+        self.local_api.update(|s| {
             let generation = s.registered.map_or(1, |(g, _)| g + 1);
             s.registered = Some((generation, staged));
             // Staged buffers hold nothing yet.
@@ -297,14 +298,14 @@ impl Session {
     /// The sidecar's own buffers for every tensor of the model, and their descriptors for the
     /// engine to map; a host file is recorded to be removed with the rank.
     fn allocate_staging(&self) -> Result<(UserWeights, Vec<Value>), ApiError> {
-        let info = &self.link.info;
+        let info = &self.local_api.info;
         let manifest = info.plan.manifest();
         let path = info.shm_dir.join(format!("{}-staging", info.file_prefix()));
         let mode = info.shared_mode();
         let (w, d) = UserWeights::staging(&manifest, info.memory_kind(), info.gpu.as_ref(), &path, mode)
             .map_err(|e| ApiError::new(ErrorKind::Failed, format!("allocating staging buffers: {e:#}")))?;
         if info.memory_kind() == super::weights::MemoryKind::Host {
-            self.link.update(|s| s.files.push(path.clone()));
+            self.local_api.update(|s| s.files.push(path.clone()));
         }
         Ok((w, d))
     }
@@ -316,7 +317,7 @@ impl Session {
         tensors: &[TensorReg],
         name_map: &BTreeMap<String, String>,
     ) -> Result<UserWeights, ApiError> {
-        let info = &self.link.info;
+        let info = &self.local_api.info;
         let manifest = info.plan.manifest();
         let writable = self.role() == Role::Engine;
         UserWeights::register(
@@ -334,7 +335,7 @@ impl Session {
     /// with the refit's outcome.
     async fn publish(&self, version: u64) -> Result<Value, ApiError> {
         self.need(Role::Trainer, "publish")?;
-        self.link.update(|s| -> Result<(), ApiError> {
+        self.local_api.update(|s| -> Result<(), ApiError> {
             if s.registered.is_none() {
                 return Err(state("publish before register_weights: register the tensors to send first"));
             }
@@ -360,8 +361,8 @@ impl Session {
     /// a gang restart resumes.
     fn checkpoint_saved(&self, step: u64, uri: String) -> Result<(), ApiError> {
         self.need(Role::Trainer, "checkpoint_saved")?;
-        let first = self.link.info.plan.first_version() as u64;
-        self.link.update(|s| -> Result<(), ApiError> {
+        let first = self.local_api.info.plan.first_version() as u64;
+        self.local_api.update(|s| -> Result<(), ApiError> {
             if uri.is_empty() || uri.len() > MAX_CHECKPOINT_URI {
                 return Err(invalid(format!(
                     "checkpoint_saved: uri is {} bytes; give the path or URI of the checkpoint (1 to {MAX_CHECKPOINT_URI} bytes)",
@@ -393,7 +394,7 @@ impl Session {
     /// weights' version; answers `done` once the job ended.
     async fn next_step(&self) -> Result<Value, ApiError> {
         self.need(Role::Engine, "next_step")?;
-        if !self.link.info.producer() {
+        if !self.local_api.info.producer() {
             return Err(state(
                 "next_step on an engine rank that is not its engine's producer: only tensor-parallel rank 0 of an engine generates and puts rollouts; the others only take weights (wait_version)",
             ));
@@ -415,7 +416,7 @@ impl Session {
 
     /// Refuses a `put` for any step but the one handed out and under way.
     fn check_put_step(&self, step: u32) -> Result<(), ApiError> {
-        let current = self.link.peek(|s| s.step);
+        let current = self.local_api.peek(|s| s.step);
         if current != Some((step, true)) {
             return Err(state(format!(
                 "put for step {step}, but {}",
@@ -431,7 +432,7 @@ impl Session {
     /// `end_step`: every rollout of the step under way is put.
     fn end_step(&self, step: u32) -> Result<(), ApiError> {
         self.need(Role::Engine, "end_step")?;
-        self.link.update(|s| match s.step {
+        self.local_api.update(|s| match s.step {
             Some((st, true)) if st == step => {
                 s.ended = Some(step);
                 Ok(())
@@ -444,7 +445,7 @@ impl Session {
     /// to the engine (a registration is refused until it releases them).
     async fn acquire_staged(&self, version: u64, timeout_s: Option<f64>) -> Result<Value, ApiError> {
         self.need(Role::Engine, "acquire_staged")?;
-        if !self.link.staged() {
+        if !self.local_api.staged() {
             return Err(state(
                 "acquire_staged without a staged registration: register_weights with mode \"staged\" first",
             ));
@@ -452,7 +453,7 @@ impl Session {
         let deadline = deadline_of(timeout_s)?;
         let held = self.wait_held(version, deadline).await?;
         let v = held.current().unwrap_or(version);
-        self.link.update(|s| s.lent = Some(v));
+        self.local_api.update(|s| s.lent = Some(v));
         Ok(json!({"ok": true, "version": v}))
     }
 
@@ -460,7 +461,7 @@ impl Session {
     /// CUDA IPC handles and runs NCCL on that GPU, so both must see it. A mismatch fails the rank
     /// at once with what each side sees.
     fn check_gpus(&self, uuids: &[String]) -> Result<(), ApiError> {
-        let info = &self.link.info;
+        let info = &self.local_api.info;
         let Some(gpu) = &info.gpu else { return Ok(()) };
         let mine = gpu.uuid().map_err(|e| ApiError::new(ErrorKind::Failed, e.to_string()))?;
         let wanted = crate::gpu::normalize_uuid(&mine);
@@ -474,7 +475,7 @@ impl Session {
             self.role().name(),
             if uuids.is_empty() { "no GPU".to_string() } else { uuids.join(", ") }
         );
-        self.link.update(|s| s.user_error = Some(message.clone()));
+        self.local_api.update(|s| s.user_error = Some(message.clone()));
         Err(ApiError::new(ErrorKind::Mismatch, message))
     }
 
@@ -496,7 +497,7 @@ impl Session {
             }
         }
         let role = self.role();
-        self.link.update(|s| {
+        self.local_api.update(|s| {
             let current = match role {
                 // Its batch taken, the step not yet published.
                 Role::Trainer => (s.batch.is_none() && s.published.is_some_and(|p| p < s.next_version))
@@ -533,7 +534,7 @@ impl Session {
                 "session: {session:?}; use \"all\" (the default), or on an engine rank \"rollouts\" (the process that takes steps and puts rollouts) or \"weights\" (a process that registers or loads the weights)"
             ))
         })?;
-        let info = &self.link.info;
+        let info = &self.local_api.info;
         let name = &info.plan.process(info.me).name;
         if scope != Scope::All && self.role() == Role::Trainer {
             return Err(invalid(format!(
@@ -546,7 +547,7 @@ impl Session {
                 "session \"rollouts\" on {name}, which is not its engine's producer: the engine's rollouts go through its tensor-parallel rank 0's socket; connect the driver there"
             )));
         }
-        self.link.update(|s| {
+        self.local_api.update(|s| {
             if let Some(held) = s.sessions.iter().find(|h| h.overlaps(scope)) {
                 return Err(ApiError::new(
                     ErrorKind::Busy,
@@ -570,7 +571,7 @@ impl Session {
         mut f: impl FnMut(&mut State) -> Option<T>,
     ) -> Result<T, ApiError> {
         let r = self
-            .link
+            .local_api
             .wait(deadline, |s| {
                 if let Some(e) = &s.rank_error {
                     return Some(Err(ApiError::new(ErrorKind::Failed, format!("the rank failed: {e}"))));
@@ -599,7 +600,7 @@ impl Session {
         match r {
             Err(e) if e.kind == ErrorKind::Timeout => Err(ApiError::new(
                 ErrorKind::Timeout,
-                format!("version {version} did not arrive in time (holding {})", self.link.peek(|s| s.held)),
+                format!("version {version} did not arrive in time (holding {})", self.local_api.peek(|s| s.held)),
             )),
             Err(e) => Err(e),
             Ok(r) => r,
@@ -671,12 +672,12 @@ impl Session {
             let spec = FieldSpec { name: c.name.clone(), dtype, ragged: c.ragged, inner: c.inner.clone() };
             cols.push(Column::from_parts(spec, n, Bytes::from(values), offsets).map_err(|e| invalid(e.to_string()))?);
         }
-        let info = &self.link.info;
+        let info = &self.local_api.info;
         let engine = match info.plan.process(info.me).role {
             rlplane_api::plan::ProcessRole::Generation(c) => c.engine,
             _ => 0,
         };
-        let base = self.link.peek(|s| s.put.samples);
+        let base = self.local_api.peek(|s| s.put.samples);
         let keys = match keys {
             Some(k) if k.len() != n => return Err(invalid(format!("keys: {} keys for {n} samples", k.len()))),
             Some(k) => k,
@@ -701,7 +702,7 @@ impl Session {
             .await
             .map_err(|e| ApiError::new(ErrorKind::Failed, format!("putting into the transfer queue: {e}")))?;
         let seconds = t.elapsed().as_secs_f64();
-        self.link.update(|s| {
+        self.local_api.update(|s| {
             s.put.samples += n as u64;
             s.put.bytes += report.bytes;
             s.put.tokens += token_total;
