@@ -28,6 +28,7 @@ use crate::hot_wait::{Forecast, Next};
 use crate::link::FrameLink;
 use crate::net::{self, Hello, JobAuth, NetError};
 use crate::patience::{Patience, Stall, StallSender};
+use crate::reservoir::Reservoir;
 
 /// Protocol magic of the control channel.
 pub const MAGIC: [u8; 4] = *b"RCTL";
@@ -302,11 +303,12 @@ pub struct ControlServer {
     /// Round trips of every command: send → the rank has it, plus its answer's way back (the
     /// time the rank held the command taken out). Commands sent while the rank was still busy
     /// with an earlier one (queued behind it) are not timed: they wait for that work, not for
-    /// the control plane.
-    pub dispatch: Vec<Duration>,
+    /// the control plane. A bounded sample ([`Reservoir`]): a long job's commands do not grow
+    /// the coordinator's memory.
+    pub dispatch: Reservoir<Duration>,
     /// One way, send → the rank has it; meaningful only when the ranks share the coordinator's
     /// host (one clock), as in `rlplane local`.
-    pub one_way: Vec<Duration>,
+    pub one_way: Reservoir<Duration>,
     /// Every command sent and not finished: its name and send time ([`monotonic_ns`]).
     pending_cmd: HashMap<(usize, u64), (&'static str, u64)>,
     /// Commands sent and not finished, per rank: a command sent while this is non-zero waits in
@@ -406,8 +408,8 @@ impl ControlServer {
             index,
             links,
             next_seq: 1,
-            dispatch: Vec::new(),
-            one_way: Vec::new(),
+            dispatch: Reservoir::default(),
+            one_way: Reservoir::default(),
             pending_cmd: HashMap::new(),
             outstanding: vec![0; expected.len()],
             queued: HashSet::new(),

@@ -32,6 +32,7 @@ use tracing::Instrument;
 
 use crate::control::{Command, ControlError, ControlServer, Pending, Report, percentile_us, update_seed};
 use crate::net::JobAuth;
+use crate::reservoir::Reservoir;
 use crate::tq::{Assignment, Claim, ControllerConfig, TqController, assign};
 use crate::workload::fields;
 
@@ -191,18 +192,93 @@ pub struct StepRecord {
     pub scalars: BTreeMap<String, f64>,
 }
 
-/// Everything a run measured.
+/// Everything a run measured, in memory that does not grow with the number of steps unless the
+/// run keeps every step's record (`rlplane local --json`).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RunRecord {
     /// Seconds to load the initial weights (version 0) into every engine.
     pub initial_sync_s: f64,
-    /// Per step.
+    /// Every step's record where the run keeps them ([`RunRecord::keeping_steps`]); else empty.
     pub steps: Vec<StepRecord>,
-    /// Round trips of every command (its way to the rank and its answer's way back, the rank's
-    /// work taken out), microseconds.
+    /// Whether [`RunRecord::steps`] keeps every step.
+    #[serde(skip)]
+    pub keep_steps: bool,
+    /// What the summary needs of every step, in constant memory.
+    #[serde(skip)]
+    pub totals: StepTotals,
+    /// Commands whose round trip was timed.
+    pub dispatches: u64,
+    /// Round trips of the commands (their way to the rank and their answer's way back, the
+    /// rank's work taken out), microseconds: every one up to [`crate::reservoir::RESERVOIR_CAP`],
+    /// a uniform sample past it.
     pub dispatch_us: Vec<f64>,
-    /// One way (send → the rank has it), microseconds; only when every pod shares one host.
+    /// One way (send → the rank has it), microseconds, sampled the same way; only when every pod
+    /// shares one host.
     pub one_way_us: Vec<f64>,
+}
+
+impl RunRecord {
+    /// A record that keeps every step's record too (for `--json`).
+    pub fn keeping_steps() -> RunRecord {
+        RunRecord { keep_steps: true, ..RunRecord::default() }
+    }
+
+    /// Records a finished step.
+    pub fn add_step(&mut self, r: StepRecord) {
+        self.totals.add(&r);
+        if self.keep_steps {
+            self.steps.push(r);
+        }
+    }
+}
+
+/// Sums, maxima and bounded samples over a run's steps: what [`Summary::of`] reads. Percentiles
+/// and medians are exact up to [`crate::reservoir::RESERVOIR_CAP`] steps and estimated from a
+/// uniform sample past it.
+#[derive(Clone, Debug, Default)]
+pub struct StepTotals {
+    steps: u32,
+    generate_s: f64,
+    transfer_s: f64,
+    train_s: f64,
+    refit_s: f64,
+    verify_s: f64,
+    total_s: f64,
+    control_s: f64,
+    imbalance: f64,
+    imbalance_max: f64,
+    first_refit_bytes_per_receiver: Option<u64>,
+    refit_bytes_total: u64,
+    put_bytes: u64,
+    get_bytes: u64,
+    refit_times: Reservoir<f64>,
+    refit_gbps: Reservoir<f64>,
+    put_gbps: Reservoir<f64>,
+    get_gbps: Reservoir<f64>,
+}
+
+impl StepTotals {
+    fn add(&mut self, s: &StepRecord) {
+        let rate = |bytes: u64, secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+        self.steps += 1;
+        self.generate_s += s.generate_s;
+        self.transfer_s += s.transfer_s;
+        self.train_s += s.train_s;
+        self.refit_s += s.refit_s;
+        self.verify_s += s.verify_s;
+        self.total_s += s.total_s;
+        self.control_s += s.control_s;
+        self.imbalance += s.imbalance;
+        self.imbalance_max = self.imbalance_max.max(s.imbalance);
+        self.first_refit_bytes_per_receiver.get_or_insert(s.refit_bytes_per_receiver);
+        self.refit_bytes_total += s.refit_bytes_per_receiver * s.refit_receivers;
+        self.put_bytes += s.put_bytes;
+        self.get_bytes += s.get_bytes;
+        self.refit_times.push(s.refit_s);
+        self.refit_gbps.push(rate(s.refit_bytes_per_receiver, s.refit_s));
+        self.put_gbps.push(rate(s.put_bytes, s.put_s));
+        self.get_gbps.push(rate(s.get_bytes, s.get_s));
+    }
 }
 
 /// How much longer than `spec.refit.timeoutSeconds` the coordinator waits for a command. A rank
@@ -215,13 +291,16 @@ pub struct RunRecord {
 pub const RANK_DEADLINE_GRACE: Duration = Duration::from_secs(3);
 
 /// Runs the job's steps. `control` and `tq` are already bound (so ranks can connect as soon as
-/// they start); every rank must prove it holds the epoch's key in `auth`.
+/// they start); every rank must prove it holds the epoch's key in `auth`. With `keep_steps` the
+/// record keeps every step's record (memory grows with the steps); without, only what the summary
+/// needs.
 pub async fn run(
     plan: &WorkerPlan,
     auth: &JobAuth,
     control: TcpListener,
     tq: TcpListener,
     observer: &dyn Observer,
+    keep_steps: bool,
 ) -> Result<RunRecord, CoordinatorError> {
     let timeout = Duration::from_secs(plan.refit.timeout_seconds as u64);
     let startup = Duration::from_secs(120).max(timeout);
@@ -253,7 +332,8 @@ pub async fn run(
         }
         std::future::pending::<()>().await
     };
-    let steps = run_steps(plan, auth, control, &ranks, &controller, startup, timeout, stall_tx, observer);
+    let record = if keep_steps { RunRecord::keeping_steps() } else { RunRecord::default() };
+    let steps = run_steps(plan, auth, control, &ranks, &controller, startup, timeout, stall_tx, observer, record);
     let record = tokio::select! {
         r = steps => r,
         () = forward => unreachable!("forwarding never ends"),
@@ -274,6 +354,7 @@ async fn run_steps(
     timeout: Duration,
     stall: crate::patience::StallSender,
     observer: &dyn Observer,
+    mut record: RunRecord,
 ) -> Result<RunRecord, CoordinatorError> {
     let deadline = Instant::now() + startup;
     let mut server = ControlServer::accept_all(&control, ranks, auth, deadline, Some(stall)).await?;
@@ -282,7 +363,6 @@ async fn run_steps(
     observer.progress(Progress::Connected { ranks: ranks.len() });
 
     let roles = Roles::of(plan);
-    let mut record = RunRecord::default();
     // The initial weights (version 0) reach every engine before the first step, as a job's first
     // load does; it also keeps one-time costs (first NCCL use, opening IPC handles) out of step 1.
     let t = Instant::now();
@@ -307,12 +387,13 @@ async fn run_steps(
             .await?;
         generate = queued;
         observer.progress(Progress::StepDone(Box::new(r.clone())));
-        record.steps.push(r);
+        record.add_step(r);
     }
     // The queue is done: ranks exiting from now on take their storage units with them, as
     // expected; stop serving it.
     controller.close();
     server.shutdown_all().await;
+    record.dispatches = server.dispatch.seen();
     record.dispatch_us = server.dispatch.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     // Monotonic clocks of different hosts are unrelated: one-way times only on one host.
     if plan.pods.iter().all(|p| p.host == plan.pods[0].host) {
@@ -842,43 +923,40 @@ fn pct(v: &[f64], p: f64) -> f64 {
 impl Summary {
     /// Summarizes a run.
     pub fn of(r: &RunRecord) -> Summary {
-        let n = r.steps.len().max(1) as f64;
-        let mean = |f: fn(&StepRecord) -> f64| r.steps.iter().map(f).sum::<f64>() / n;
-        let refits: Vec<f64> = r.steps.iter().map(|s| s.refit_s).collect();
-        let rate = |bytes: u64, secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
-        let per_step_rates =
-            |f: fn(&StepRecord) -> (u64, f64)| -> Vec<f64> { r.steps.iter().map(f).map(|(b, t)| rate(b, t)).collect() };
-        let median = |mut v: Vec<f64>| {
+        let t = &r.totals;
+        let n = f64::from(t.steps.max(1));
+        let median = |v: &[f64]| {
+            let mut v = v.to_vec();
             v.sort_by(f64::total_cmp);
             if v.is_empty() { 0.0 } else { v[v.len() / 2] }
         };
         let d: Vec<Duration> = r.dispatch_us.iter().map(|u| Duration::from_secs_f64(u / 1e6)).collect();
         let ow: Vec<Duration> = r.one_way_us.iter().map(|u| Duration::from_secs_f64(u / 1e6)).collect();
         Summary {
-            steps: r.steps.len() as u32,
-            refit_p50_s: pct(&refits, 50.0),
-            refit_p99_s: pct(&refits, 99.0),
-            refit_gbps: median(per_step_rates(|s| (s.refit_bytes_per_receiver, s.refit_s))),
-            refit_bytes_per_receiver: r.steps.first().map(|s| s.refit_bytes_per_receiver).unwrap_or(0),
-            refit_bytes_total: r.steps.iter().map(|s| s.refit_bytes_per_receiver * s.refit_receivers).sum(),
-            tq_put_gbps: median(per_step_rates(|s| (s.put_bytes, s.put_s))),
-            tq_get_gbps: median(per_step_rates(|s| (s.get_bytes, s.get_s))),
-            tq_put_bytes: r.steps.iter().map(|s| s.put_bytes).sum(),
-            tq_get_bytes: r.steps.iter().map(|s| s.get_bytes).sum(),
-            generate_s: mean(|s| s.generate_s),
-            transfer_s: mean(|s| s.transfer_s),
-            train_s: mean(|s| s.train_s),
-            refit_s: mean(|s| s.refit_s),
-            verify_s: mean(|s| s.verify_s),
-            step_s: mean(|s| s.total_s),
-            imbalance_mean: mean(|s| s.imbalance),
-            imbalance_max: r.steps.iter().map(|s| s.imbalance).fold(0.0, f64::max),
+            steps: t.steps,
+            refit_p50_s: pct(&t.refit_times, 50.0),
+            refit_p99_s: pct(&t.refit_times, 99.0),
+            refit_gbps: median(&t.refit_gbps),
+            refit_bytes_per_receiver: t.first_refit_bytes_per_receiver.unwrap_or(0),
+            refit_bytes_total: t.refit_bytes_total,
+            tq_put_gbps: median(&t.put_gbps),
+            tq_get_gbps: median(&t.get_gbps),
+            tq_put_bytes: t.put_bytes,
+            tq_get_bytes: t.get_bytes,
+            generate_s: t.generate_s / n,
+            transfer_s: t.transfer_s / n,
+            train_s: t.train_s / n,
+            refit_s: t.refit_s / n,
+            verify_s: t.verify_s / n,
+            step_s: t.total_s / n,
+            imbalance_mean: t.imbalance / n,
+            imbalance_max: t.imbalance_max,
             dispatch_p50_us: percentile_us(&d, 50.0),
             dispatch_p99_us: percentile_us(&d, 99.0),
             dispatch_one_way_p50_us: (!ow.is_empty()).then(|| percentile_us(&ow, 50.0)),
             dispatch_one_way_p99_us: (!ow.is_empty()).then(|| percentile_us(&ow, 99.0)),
-            control_ms_per_step: mean(|s| s.control_s) * 1e3,
-            dispatches: r.dispatch_us.len(),
+            control_ms_per_step: t.control_s / n * 1e3,
+            dispatches: r.dispatches as usize,
         }
     }
 

@@ -15,6 +15,7 @@ pub mod coordinator;
 pub mod local;
 pub mod metrics;
 pub mod pod;
+pub mod reservoir;
 pub mod roles;
 pub mod sidecar;
 pub mod status;

@@ -264,7 +264,8 @@ async fn run(job: rlplane_api::RLJob, json: Option<&Path>, metrics_port: Option<
     let name = job.metadata.name.clone().unwrap_or_else(|| "local".into());
     let scratch = tempdir(&name)?;
     let uid = format!("local-{}-{}", std::process::id(), scratch.file_name().and_then(|s| s.to_str()).unwrap_or(""));
-    let run = LocalRun::start(job, name, uid, transport, gpus, scratch, metrics_port).await?;
+    let mut run = LocalRun::start(job, name, uid, transport, gpus, scratch, metrics_port).await?;
+    run.keep_steps = json.is_some();
     let result = run.epochs(json).await;
     let _ = std::fs::remove_dir_all(&run.scratch);
     result
@@ -285,6 +286,9 @@ struct LocalRun {
     refusals: crate::net::Refusals,
     merged: Option<Arc<crate::metrics::MergedMetrics>>,
     metrics_port: Option<u16>,
+    /// Whether the coordinator keeps every step's record (for `--json`); without, its memory
+    /// stays flat however many steps run.
+    keep_steps: bool,
 }
 
 impl LocalRun {
@@ -337,6 +341,7 @@ impl LocalRun {
             refusals,
             merged,
             metrics_port,
+            keep_steps: false,
         })
     }
 
@@ -435,7 +440,7 @@ impl LocalRun {
         let outcome = {
             let observer =
                 crate::metrics::MetricsObserver { inner: &self.ui, metrics: self.coordinator_metrics.clone() };
-            let coordinated = coordinator::run(&plan, &auth, control, tq, &observer);
+            let coordinated = coordinator::run(&plan, &auth, control, tq, &observer, self.keep_steps);
             tokio::pin!(coordinated);
             loop {
                 tokio::select! {

@@ -81,7 +81,7 @@ pub async fn run_one(plan: &WorkerPlan, name: &str) -> anyhow::Result<ExitCode> 
         let observer = crate::status::ReportingObserver { inner: LogObserver, reporter };
         let observed = crate::metrics::MetricsObserver { inner: &observer, metrics };
         let record = tokio::select! {
-            r = coordinator::run(plan, &auth, control, tq, &observed) => r?,
+            r = coordinator::run(plan, &auth, control, tq, &observed, false) => r?,
             _ = term.recv() => anyhow::bail!("terminated (SIGTERM) before the job finished"),
         };
         drop(observed);
