@@ -322,6 +322,10 @@ pub struct WorkerPlan {
     /// The checkpoint cadence (`spec.checkpoint`).
     #[serde(default, skip_serializing_if = "crate::spec::CheckpointSpec::is_off")]
     pub checkpoint: crate::spec::CheckpointSpec,
+    /// Whether generation runs ahead of training, and by how many versions (`spec.schedule`):
+    /// the coordinator schedules by it, and every trainer rank refuses a sample older than it.
+    #[serde(default, skip_serializing_if = "crate::spec::ScheduleSpec::is_synchronous")]
+    pub schedule: crate::spec::ScheduleSpec,
     /// The checkpoint this epoch resumes from (`status.resumedFrom` when the operator built the
     /// plan): the initial weights are that step's version, and the steps start after it. None:
     /// the run starts at step 1 from version 0.

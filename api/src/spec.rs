@@ -95,6 +95,65 @@ pub struct RLJobSpec {
     /// user templates): through the device plugin (default) or one ResourceClaim (DRA).
     #[serde(default, skip_serializing_if = "GpuSpec::is_default")]
     pub gpus: GpuSpec,
+    /// Whether generation waits for training: `Synchronous` (default; every step's rollouts come
+    /// from the previous step's weights) or `Asynchronous` (engines generate the next steps while
+    /// the trainer trains, from weights at most `maxPolicyLag` versions old).
+    #[serde(default, skip_serializing_if = "ScheduleSpec::is_synchronous")]
+    pub schedule: ScheduleSpec,
+}
+
+/// How generation and training overlap (`spec.schedule`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.policy == 'Asynchronous' || !has(self.maxPolicyLag) || self.maxPolicyLag == 0").message("spec.schedule.maxPolicyLag: only an Asynchronous schedule lets generation run ahead; set policy: Asynchronous, or leave maxPolicyLag out"))]
+pub struct ScheduleSpec {
+    /// `Synchronous` (default): generate, train, refit, each waiting for the last. `Asynchronous`:
+    /// the engines generate the next steps' rollouts while the trainer trains, and take new
+    /// weights between their own steps.
+    #[serde(default)]
+    pub policy: SchedulePolicy,
+    /// The policy lag a trained sample may have (Asynchronous only; default 1): step `s` trains
+    /// on rollouts generated with weights of version `s − 1 − lag` for a lag of at most this
+    /// (version `s − 1` is the synchronous one). 0 behaves exactly like `Synchronous`. The
+    /// transfer queue holds up to `maxPolicyLag + 1` steps of rollouts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 8))]
+    pub max_policy_lag: Option<u32>,
+}
+
+/// Whether generation waits for training.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum SchedulePolicy {
+    /// Each step's generation waits for the previous step's refit.
+    #[default]
+    Synchronous,
+    /// Generation runs ahead of training by at most `maxPolicyLag` versions.
+    Asynchronous,
+}
+
+/// Largest `spec.schedule.maxPolicyLag`: the transfer queue holds that many steps of rollouts
+/// beyond the one in training.
+pub const MAX_POLICY_LAG: u32 = 8;
+
+impl ScheduleSpec {
+    /// Whether it is the default (left out of the serialized spec, so existing jobs' spec hashes
+    /// do not change).
+    pub fn is_synchronous(&self) -> bool {
+        *self == ScheduleSpec::default()
+    }
+
+    /// The policy lag allowed: 0 when synchronous, `maxPolicyLag` (default 1) when asynchronous.
+    pub fn max_lag(&self) -> u32 {
+        match self.policy {
+            SchedulePolicy::Synchronous => 0,
+            SchedulePolicy::Asynchronous => self.max_policy_lag.unwrap_or(1),
+        }
+    }
+
+    /// An asynchronous schedule with lag `k` (0: the synchronous one).
+    pub fn asynchronous(k: u32) -> ScheduleSpec {
+        ScheduleSpec { policy: SchedulePolicy::Asynchronous, max_policy_lag: Some(k) }
+    }
 }
 
 /// How a pod's GPUs reach its containers (`spec.gpus`).
@@ -634,6 +693,40 @@ pub struct WorkloadSpec {
     /// Seed of every random choice of the workload.
     #[serde(default)]
     pub seed: u64,
+    /// Simulated decoding time of each engine's rollouts of a step, milliseconds, drawn uniformly
+    /// from this range (seeded by step and engine): a stand-in for an inference engine's work, so
+    /// that schedules (`spec.schedule`) can be compared on CPUs. Default: none.
+    #[serde(default, skip_serializing_if = "MillisRange::is_zero")]
+    pub generate_millis: MillisRange,
+    /// Simulated forward and backward time of each trainer rank's step, milliseconds, drawn
+    /// uniformly from this range (seeded by step and rank). Default: none.
+    #[serde(default, skip_serializing_if = "MillisRange::is_zero")]
+    pub train_millis: MillisRange,
+}
+
+/// Inclusive range of simulated work in milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[x_kube(validation = Rule::new("self.min <= self.max").message("spec.workload: a millisecond range's min must not exceed its max; swap them"))]
+pub struct MillisRange {
+    /// Least, in milliseconds.
+    #[schemars(range(max = 3600000))]
+    pub min: u32,
+    /// Most, in milliseconds.
+    #[schemars(range(max = 3600000))]
+    pub max: u32,
+}
+
+impl MillisRange {
+    /// Whether no work is simulated (left out of the serialized spec).
+    pub fn is_zero(&self) -> bool {
+        self.max == 0
+    }
+
+    /// The duration a uniform draw `r` (any u64) picks from the range.
+    pub fn pick(&self, r: u64) -> std::time::Duration {
+        let span = u64::from(self.max.saturating_sub(self.min)) + 1;
+        std::time::Duration::from_millis(u64::from(self.min) + r % span)
+    }
 }
 
 impl Default for WorkloadSpec {
@@ -645,6 +738,8 @@ impl Default for WorkloadSpec {
             prompt_tokens: default_prompt_tokens(),
             response_tokens: default_response_tokens(),
             seed: 0,
+            generate_millis: MillisRange::default(),
+            train_millis: MillisRange::default(),
         }
     }
 }

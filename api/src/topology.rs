@@ -199,6 +199,7 @@ pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> 
             generation: spec.generation.template.is_some(),
         },
         checkpoint: spec.checkpoint.clone(),
+        schedule: spec.schedule,
         resume: id.resume.clone(),
     })
 }

@@ -8,7 +8,9 @@ use std::collections::HashSet;
 use std::fmt;
 
 use crate::model::{TpSplit, manifest_bytes};
-use crate::spec::{Device, MAX_JOB_NAME_LEN, Mode, RLJob, RLJobSpec, RefitTransport, TqPlacement};
+use crate::spec::{
+    Device, MAX_JOB_NAME_LEN, MAX_POLICY_LAG, Mode, RLJob, RLJobSpec, RefitTransport, SchedulePolicy, TqPlacement,
+};
 
 /// Ports the worker uses inside a pod (see [`crate::plan::ports`]); the metrics port must avoid them.
 pub const RESERVED_PORTS: std::ops::RangeInclusive<u16> = 7000..=7999;
@@ -137,6 +139,7 @@ pub fn validate(spec: &RLJobSpec) -> Result<(), ValidationErrors> {
     observability(spec, &mut c);
     gpu_sharing(spec, &mut c);
     network_policy(spec, &mut c);
+    schedule(spec, &mut c);
     c.finish()
 }
 
@@ -325,6 +328,12 @@ fn workload(spec: &RLJobSpec, c: &mut Collector) {
             format!("min = {} exceeds max = {}; swap them", w.response_tokens.min, w.response_tokens.max),
         );
     }
+    for (field, r) in [("generateMillis", &w.generate_millis), ("trainMillis", &w.train_millis)] {
+        c.range(&format!("spec.workload.{field}.max"), r.max, 0, 3_600_000);
+        if r.min > r.max {
+            c.err(format!("spec.workload.{field}"), format!("min = {} exceeds max = {}; swap them", r.min, r.max));
+        }
+    }
     if w.samples_per_step() < p.data as u64 {
         c.err(
             "spec.workload",
@@ -334,6 +343,20 @@ fn workload(spec: &RLJobSpec, c: &mut Collector) {
                 p.data
             ),
         );
+    }
+}
+
+/// `spec.schedule`: a lag only where generation may run ahead, and no more than the transfer
+/// queue is sized to hold.
+fn schedule(spec: &RLJobSpec, c: &mut Collector) {
+    let s = &spec.schedule;
+    match (s.policy, s.max_policy_lag) {
+        (SchedulePolicy::Synchronous, Some(k)) if k > 0 => c.err(
+            "spec.schedule.maxPolicyLag",
+            format!("{k} needs policy: Asynchronous (a synchronous schedule never lets generation run ahead); set it, or leave maxPolicyLag out"),
+        ),
+        (_, Some(k)) => c.range("spec.schedule.maxPolicyLag", k, 0, MAX_POLICY_LAG),
+        _ => {}
     }
 }
 
