@@ -10,6 +10,7 @@
 //! - [`client`]: put / claim / get / ack / write-back / clear ([`client::TqClient`]).
 //! - [`fanout`]: a data-parallel leader fetches its shard's batch and fans it out to followers.
 //! - [`assign`]: token-balanced assignment of a step's samples to data-parallel shards.
+//! - [`version`]: the policy version each sample carries, and its lag behind the step training it.
 //! - [`codec`] and [`column`]: the wire format and the data model (`docs/transfer-queue.md`).
 
 pub mod assign;
@@ -19,6 +20,7 @@ pub mod column;
 pub mod controller;
 pub mod fanout;
 pub mod storage;
+pub mod version;
 
 pub use assign::{Assignment, assign};
 pub use client::{ClientConfig, PutOptions, PutReport, TqClient, WriteRole};

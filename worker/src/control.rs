@@ -116,6 +116,10 @@ pub struct Envelope {
     pub attached: bool,
 }
 
+/// The counter of a Train report that carries the largest policy lag in the rank's batch, as
+/// the rank checked it on arrival.
+pub const POLICY_LAG_COUNTER: &str = "policy_lag_max";
+
 /// What a rank measured and produced while executing a command.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Report {

@@ -20,7 +20,9 @@
 //! Generate behind its refit, the update with Train when it needs no seed from here), so a step
 //! costs two or three command round trips instead of four (docs/architecture.md, "One step").
 
-use std::collections::{BTreeMap, HashMap};
+mod window;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use rlplane_api::TqFetch;
@@ -30,11 +32,14 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::control::{Command, ControlError, ControlServer, Pending, Report, percentile_us, update_seed};
+use crate::control::{
+    Command, ControlError, ControlServer, POLICY_LAG_COUNTER, Pending, Report, percentile_us, update_seed,
+};
 use crate::net::JobAuth;
 use crate::reservoir::Reservoir;
-use crate::tq::{Assignment, Claim, ControllerConfig, TqController, assign};
+use crate::tq::{Assignment, BatchMeta, Claim, ControllerConfig, TqController, assign};
 use crate::workload::fields;
+pub use window::GenerationWindow;
 
 /// Consumer group under which the trainer claims.
 pub const TRAINER_GROUP: &str = "trainer";
@@ -190,6 +195,19 @@ pub struct StepRecord {
     /// The step's scalars (reward, KL, lengths…): for each name, the mean over the ranks that
     /// reported it (the engines with their rollouts, the trainer ranks with their update).
     pub scalars: BTreeMap<String, f64>,
+    /// Samples trained on, by policy lag: entry `l` counts those generated with the weights of
+    /// version `step − 1 − l` (all in entry 0 when synchronous).
+    pub policy_lags: Vec<u64>,
+    /// The largest policy lag any trainer rank found in its batch as it arrived.
+    pub trainer_lag_max: u64,
+    /// Samples dropped at the claim because they lagged more than `maxPolicyLag` (none unless a
+    /// producer labels rollouts with weights older than the schedule handed it).
+    pub stale_dropped: u64,
+    /// The step's wall time the busiest engine producer spent neither generating nor refitting.
+    pub engine_idle_s: f64,
+    /// The step's wall time the busiest trainer rank spent neither training, updating nor
+    /// sending its refit.
+    pub trainer_idle_s: f64,
 }
 
 /// Everything a run measured, in memory that does not grow with the number of steps unless the
@@ -198,6 +216,8 @@ pub struct StepRecord {
 pub struct RunRecord {
     /// Seconds to load the initial weights (version 0) into every engine.
     pub initial_sync_s: f64,
+    /// The policy lag the schedule allowed (`spec.schedule`; 0: synchronous).
+    pub max_policy_lag: u32,
     /// Every step's record where the run keeps them ([`RunRecord::keeping_steps`]); else empty.
     pub steps: Vec<StepRecord>,
     /// Whether [`RunRecord::steps`] keeps every step.
@@ -251,6 +271,11 @@ pub struct StepTotals {
     refit_bytes_total: u64,
     put_bytes: u64,
     get_bytes: u64,
+    policy_lags: Vec<u64>,
+    trainer_lag_max: u64,
+    stale_dropped: u64,
+    engine_idle_s: f64,
+    trainer_idle_s: f64,
     refit_times: Reservoir<f64>,
     refit_gbps: Reservoir<f64>,
     put_gbps: Reservoir<f64>,
@@ -274,6 +299,16 @@ impl StepTotals {
         self.refit_bytes_total += s.refit_bytes_per_receiver * s.refit_receivers;
         self.put_bytes += s.put_bytes;
         self.get_bytes += s.get_bytes;
+        if self.policy_lags.len() < s.policy_lags.len() {
+            self.policy_lags.resize(s.policy_lags.len(), 0);
+        }
+        for (total, n) in self.policy_lags.iter_mut().zip(&s.policy_lags) {
+            *total += n;
+        }
+        self.trainer_lag_max = self.trainer_lag_max.max(s.trainer_lag_max);
+        self.stale_dropped += s.stale_dropped;
+        self.engine_idle_s += s.engine_idle_s;
+        self.trainer_idle_s += s.trainer_idle_s;
         self.refit_times.push(s.refit_s);
         self.refit_gbps.push(rate(s.refit_bytes_per_receiver, s.refit_s));
         self.put_gbps.push(rate(s.put_bytes, s.put_s));
@@ -369,23 +404,32 @@ async fn run_steps(
     // A resumed run starts from its checkpoint's version instead: the trainer restores it and
     // publishes it as that version, and the steps go on after it.
     let v0 = plan.first_version();
-    let first = (plan.workload.steps > v0).then_some(v0 + 1);
+    record.max_policy_lag = plan.schedule.max_lag();
+    let mut window = GenerationWindow::new(v0 + 1, plan.workload.steps, record.max_policy_lag);
     let update = server.dispatch(update_commands(&roles, v0, Some(update_seed(v0, &[])))).await?;
-    let sync = update_and_refit(&mut server, &roles, v0, update, first, timeout, None).await?;
-    let mut generate = sync.generate;
+    let behind = roles.generate_behind_refit.then(|| window.take(v0, v0 + 1)).flatten();
+    let sync = update_and_refit(&mut server, &roles, v0, update, behind, timeout, None).await?;
+    let mut generating = Generating::default();
+    generating.queued(behind, sync.generate);
     record.initial_sync_s = t.elapsed().as_secs_f64();
     observer.progress(Progress::InitialSync { version: v0, seconds: record.initial_sync_s });
     for step in v0 + 1..=plan.workload.steps {
         // One trace per step, shared with the ranks' spans of the step (see crate::telemetry).
         let span = tracing::info_span!("step", step);
         crate::telemetry::join_step(&span, &plan.job.token, step);
-        let next = (step < plan.workload.steps).then_some(step + 1);
-        let ahead = generate.take();
         server.set_step(step);
-        let (r, queued) = run_step(plan, &roles, &mut server, controller, step, ahead, next, timeout, observer)
+        // Generation runs as far ahead as the schedule allows; the engines hold version step − 1.
+        while let Some(j) = window.take(step - 1, step) {
+            let sent = server.dispatch(roles.producers.iter().map(|p| (p, Command::Generate { step: j }))).await?;
+            generating.push(j, sent);
+        }
+        let generate = generating.take(step)?;
+        // The next Generate the refit's new version allows goes out queued behind it.
+        let behind = roles.generate_behind_refit.then(|| window.take(step, step + 1)).flatten();
+        let (r, queued) = run_step(plan, &roles, &mut server, controller, step, generate, behind, timeout, observer)
             .instrument(span)
             .await?;
-        generate = queued;
+        generating.queued(behind, queued);
         observer.progress(Progress::StepDone(Box::new(r.clone())));
         record.add_step(r);
     }
@@ -400,6 +444,38 @@ async fn run_steps(
         record.one_way_us = server.one_way.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     }
     Ok(record)
+}
+
+/// Generate commands sent and not yet waited for, oldest first.
+#[derive(Default)]
+struct Generating(VecDeque<(u32, Pending)>);
+
+impl Generating {
+    /// Step `step`'s Generate went out.
+    fn push(&mut self, step: u32, sent: Pending) {
+        self.0.push_back((step, sent));
+    }
+
+    /// The Generate queued behind a refit, if one went out.
+    fn queued(&mut self, step: Option<u32>, sent: Option<Pending>) {
+        if let (Some(step), Some(sent)) = (step, sent) {
+            self.push(step, sent);
+        }
+    }
+
+    /// Step `step`'s Generate, which must be the oldest one out.
+    fn take(&mut self, step: u32) -> Result<Pending, CoordinatorError> {
+        match self.0.pop_front() {
+            Some((s, sent)) if s == step => Ok(sent),
+            other => Err(CoordinatorError::Check {
+                step,
+                message: format!(
+                    "the schedule sent no Generate for this step (the oldest sent is for step {:?})",
+                    other.map(|(s, _)| s)
+                ),
+            }),
+        }
+    }
 }
 
 /// Who does what, by process name.
@@ -479,9 +555,9 @@ fn update_commands(roles: &Roles, step: u32, seed: Option<u64>) -> Vec<(String, 
     cmds
 }
 
-/// Runs step `step`: generate (or collect the Generate queued behind the last step's refit),
-/// claim and assign, train, then update and refit while the step's partition is cleared. Also
-/// returns the next step's Generate when it went out queued behind this step's refit.
+/// Runs step `step`: waits for its Generate (already sent), claims and assigns, trains, then
+/// updates and refits while the step's partition is cleared. Step `next`'s Generate, when given,
+/// goes out queued behind the producers' refit; it is returned.
 #[allow(clippy::too_many_arguments)]
 async fn run_step(
     plan: &WorkerPlan,
@@ -489,7 +565,7 @@ async fn run_step(
     server: &mut ControlServer,
     controller: &TqController,
     step: u32,
-    generate: Option<Pending>,
+    generate: Pending,
     next: Option<u32>,
     timeout: Duration,
     observer: &dyn Observer,
@@ -498,7 +574,7 @@ async fn run_step(
     let mut rec = StepRecord { step, version: step as u64, ..Default::default() };
     let step_start = Instant::now();
 
-    // 1. Generate: sent now, or already queued behind each producer's refit of the last step.
+    // 1. Generate: sent already (queued behind a refit, or ahead as the schedule allows).
     let (generated, produced) = run.generate(server, generate, &mut rec).await?;
 
     // 2. Claim and assign: metadata only.
@@ -544,6 +620,9 @@ async fn run_step(
     }
     record_refit(&mut rec, roles, &done.refit);
     rec.total_s = step_start.elapsed().as_secs_f64();
+    rec.trainer_lag_max =
+        trained.reports.values().filter_map(|r| r.counters.get(POLICY_LAG_COUNTER)).copied().max().unwrap_or(0);
+    record_idle(&mut rec, roles, &generated, &trained.reports, &done);
     tracing::debug!(seconds = rec.total_s, refit_s = rec.refit_s, "step finished");
     Ok((rec, done.generate))
 }
@@ -573,6 +652,8 @@ struct StepRun<'a> {
 /// The step's samples as the trainer group claimed them, and their split over the shards.
 struct Claimed {
     claim: Claim,
+    /// The samples it trains on: the claim's, less those beyond the policy-lag bound.
+    batch: BatchMeta,
     assignment: Assignment,
     /// Seconds of the claim-and-assign phase.
     claim_s: f64,
@@ -590,22 +671,18 @@ struct Trained {
 }
 
 impl StepRun<'_> {
-    /// Waits for every producer's rollouts of the step (sending Generate first unless
-    /// `generate` is already queued) and records the phase; returns the producers' reports and
-    /// how many samples they put.
+    /// Waits for every producer's rollouts of the step (their Generate, `pending`, went out
+    /// already) and records the phase; returns the producers' reports and how many samples they
+    /// put.
     async fn generate(
         &self,
         server: &mut ControlServer,
-        generate: Option<Pending>,
+        pending: Pending,
         rec: &mut StepRecord,
     ) -> Result<(HashMap<String, Report>, u64), CoordinatorError> {
         let step = self.step;
         self.observer.progress(Progress::Phase { step, phase: "generate" });
         let t = Instant::now();
-        let pending = match generate {
-            Some(p) => p,
-            None => server.dispatch(self.roles.producers.iter().map(|p| (p, Command::Generate { step }))).await?,
-        };
         let generated =
             server.wait(pending, Instant::now() + self.timeout).instrument(tracing::info_span!("generate")).await?;
         let generate_wall = t.elapsed().as_secs_f64();
@@ -644,14 +721,57 @@ impl StepRun<'_> {
                 message: format!("claimed {} samples but the producers put {produced}", claim.meta.len()),
             });
         }
-        let assignment = assign(claim.meta.tokens(), self.roles.shards.len())
+        let batch = self.within_lag(&claim.meta, rec)?;
+        let assignment = assign(batch.tokens(), self.roles.shards.len())
             .map_err(|e| CoordinatorError::Queue { step, message: e.to_string() })?;
         rec.imbalance = assignment.imbalance;
-        rec.samples = claim.meta.len() as u64;
-        rec.tokens = claim.meta.total_tokens();
+        rec.samples = batch.len() as u64;
+        rec.tokens = batch.total_tokens();
         let claim_s = t.elapsed().as_secs_f64();
         rec.add_control("claim", claim_s);
-        Ok(Claimed { claim, assignment, claim_s })
+        Ok(Claimed { claim, batch, assignment, claim_s })
+    }
+
+    /// The claimed samples within the schedule's policy-lag bound, counting each one's lag into
+    /// `rec`; the older ones are dropped (acknowledged with the rest, so they are cleared and
+    /// never trained on) and counted. A sample of unknown or impossible version fails the step.
+    fn within_lag(&self, claimed: &BatchMeta, rec: &mut StepRecord) -> Result<BatchMeta, CoordinatorError> {
+        let step = self.step;
+        let max_lag = self.plan.schedule.max_lag();
+        let mut keep = Vec::with_capacity(claimed.len());
+        for i in 0..claimed.len() {
+            let sample = claimed.sample(i);
+            let lag = crate::tq::version::lag(&sample, step, max_lag > 0)
+                .map_err(|e| CoordinatorError::Check { step, message: e.to_string() })?;
+            if lag > u64::from(max_lag) {
+                rec.stale_dropped += 1;
+                continue;
+            }
+            let lag = lag as usize;
+            if rec.policy_lags.len() <= lag {
+                rec.policy_lags.resize(lag + 1, 0);
+            }
+            rec.policy_lags[lag] += 1;
+            keep.push(i);
+        }
+        if rec.stale_dropped > 0 {
+            tracing::warn!(
+                step,
+                dropped = rec.stale_dropped,
+                max_lag,
+                "samples generated with weights older than spec.schedule.maxPolicyLag allows were dropped"
+            );
+        }
+        if keep.is_empty() {
+            return Err(CoordinatorError::Check {
+                step,
+                message: format!(
+                    "every one of the step's {} samples lags more than spec.schedule.maxPolicyLag = {max_lag} versions",
+                    claimed.len()
+                ),
+            });
+        }
+        Ok(if keep.len() == claimed.len() { claimed.clone() } else { claimed.subset(&keep) })
     }
 
     /// Sends every trainer rank its Train (and the update behind it when it needs no seed from
@@ -665,7 +785,7 @@ impl StepRun<'_> {
         let independent = self.plan.transfer_queue.fetch == TqFetch::Independent;
         let mut cmds = Vec::new();
         for (d, (leader, followers)) in self.roles.shards.iter().enumerate() {
-            let batch = claimed.claim.meta.subset(&claimed.assignment.shards[d]);
+            let batch = claimed.batch.subset(&claimed.assignment.shards[d]);
             for f in followers {
                 cmds.push((f.clone(), Command::Train { step, batch: independent.then(|| batch.clone()) }));
             }
@@ -746,6 +866,27 @@ fn record_refit(rec: &mut StepRecord, roles: &Roles, refit: &HashMap<String, Rep
             *e = e.max(*v);
         }
     }
+}
+
+/// Records how long the busiest engine producer and the busiest trainer rank sat idle in the
+/// step: its wall time less their work in it (a producer's generation and refit; a trainer
+/// rank's training, update and refit sending).
+fn record_idle(
+    rec: &mut StepRecord,
+    roles: &Roles,
+    generated: &HashMap<String, Report>,
+    train: &HashMap<String, Report>,
+    done: &UpdateRefit,
+) {
+    let busy = |reports: &HashMap<String, Report>, rank: &str| reports.get(rank).map_or(0.0, |r| r.busy_secs);
+    let engine = roles.producers.iter().map(|p| busy(generated, p) + busy(&done.refit, p)).fold(0.0, f64::max);
+    let trainer = roles
+        .trainers
+        .iter()
+        .map(|t| busy(train, t) + busy(&done.update, t) + busy(&done.refit, t))
+        .fold(0.0, f64::max);
+    rec.engine_idle_s = (rec.total_s - engine).max(0.0);
+    rec.trainer_idle_s = (rec.total_s - trainer).max(0.0);
 }
 
 /// What [`update_and_refit`] collected.
@@ -913,6 +1054,22 @@ pub struct Summary {
     pub control_ms_per_step: f64,
     /// Control messages sent.
     pub dispatches: usize,
+    /// The policy lag the schedule allowed (0: synchronous).
+    pub max_policy_lag: u32,
+    /// Steps per second over the run's steps (the initial load left out).
+    pub steps_per_s: f64,
+    /// Samples trained on, by policy lag (entry `l`: `l` versions behind the synchronous one).
+    pub policy_lags: Vec<u64>,
+    /// Mean policy lag of the samples trained on.
+    pub policy_lag_mean: f64,
+    /// Largest policy lag a trainer rank found in its batch as it arrived.
+    pub policy_lag_max: u64,
+    /// Samples dropped as older than the bound.
+    pub stale_dropped: u64,
+    /// Mean seconds per step the busiest engine producer sat idle.
+    pub engine_idle_s: f64,
+    /// Mean seconds per step the busiest trainer rank sat idle.
+    pub trainer_idle_s: f64,
 }
 
 fn pct(v: &[f64], p: f64) -> f64 {
@@ -957,6 +1114,18 @@ impl Summary {
             dispatch_one_way_p99_us: (!ow.is_empty()).then(|| percentile_us(&ow, 99.0)),
             control_ms_per_step: t.control_s / n * 1e3,
             dispatches: r.dispatches as usize,
+            max_policy_lag: r.max_policy_lag,
+            steps_per_s: if t.total_s > 0.0 { f64::from(t.steps) / t.total_s } else { 0.0 },
+            policy_lag_mean: {
+                let samples: u64 = t.policy_lags.iter().sum();
+                let lagged: u64 = t.policy_lags.iter().enumerate().map(|(l, n)| l as u64 * n).sum();
+                if samples > 0 { lagged as f64 / samples as f64 } else { 0.0 }
+            },
+            policy_lags: t.policy_lags.clone(),
+            policy_lag_max: t.trainer_lag_max,
+            stale_dropped: t.stale_dropped,
+            engine_idle_s: t.engine_idle_s / n,
+            trainer_idle_s: t.trainer_idle_s / n,
         }
     }
 
@@ -989,14 +1158,32 @@ impl Summary {
             (
                 "step time",
                 format!(
-                    "{:.4}s = generate {:.4}s + transfer {:.4}s + train {:.4}s + refit {:.4}s (+ checking refit {:.4}s, control {:.4}s)",
+                    "{:.4}s {} generate {:.4}s + transfer {:.4}s + train {:.4}s + refit {:.4}s (+ checking refit {:.4}s, control {:.4}s)",
                     self.step_s,
+                    // Asynchronous: generation overlaps training, so the phases add up to more.
+                    if self.max_policy_lag == 0 { "=" } else { "< (overlapping)" },
                     self.generate_s,
                     self.transfer_s,
                     self.train_s,
                     self.refit_s,
                     self.verify_s,
                     self.control_ms_per_step / 1e3
+                ),
+            ),
+            (
+                "schedule",
+                format!(
+                    "{}: {:.2} steps/s; policy lag mean {:.2}, max {} ({} stale samples dropped); idle per step: engines {:.4}s, trainer {:.4}s",
+                    match self.max_policy_lag {
+                        0 => "synchronous".to_string(),
+                        k => format!("asynchronous (maxPolicyLag {k})"),
+                    },
+                    self.steps_per_s,
+                    self.policy_lag_mean,
+                    self.policy_lag_max,
+                    self.stale_dropped,
+                    self.engine_idle_s,
+                    self.trainer_idle_s
                 ),
             ),
             (

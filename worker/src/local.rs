@@ -89,6 +89,10 @@ pub struct LocalArgs {
     /// Override spec.workload.steps.
     #[arg(long)]
     pub steps: Option<u32>,
+    /// Override spec.schedule: run asynchronously, generation at most K policy versions behind
+    /// (0 is the synchronous schedule).
+    #[arg(long, value_name = "K")]
+    pub max_policy_lag: Option<u32>,
     /// Serve every rank's metrics and the coordinator's, merged, at
     /// http://127.0.0.1:PORT/metrics while the job runs.
     #[arg(long, value_name = "PORT")]
@@ -197,6 +201,13 @@ pub fn main(args: LocalArgs) -> ExitCode {
             return ExitCode::from(EXIT_BAD_INPUT);
         }
         job.spec.workload.steps = s;
+    }
+    if let Some(k) = args.max_policy_lag {
+        if k > rlplane_api::MAX_POLICY_LAG {
+            eprintln!("error: --max-policy-lag {k}: at most {}", rlplane_api::MAX_POLICY_LAG);
+            return ExitCode::from(EXIT_BAD_INPUT);
+        }
+        job.spec.schedule = rlplane_api::ScheduleSpec::asynchronous(k);
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
     match rt.block_on(run(job, args.json.as_deref(), args.metrics_port)) {

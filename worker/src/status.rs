@@ -76,7 +76,7 @@ pub fn status_patch(now: &CoordinatorStatus) -> serde_json::Value {
 
 /// One change to report.
 enum Report {
-    Step(StepRecord),
+    Step(Box<StepRecord>),
     Stall(Option<Stall>),
     Checkpoint(CheckpointRef),
 }
@@ -116,7 +116,7 @@ impl StatusReporter {
                                 now.scalars =
                                     Some(StepScalars { step: step.step as u64, values: step.scalars.clone() });
                             }
-                            now.step = Some(step);
+                            now.step = Some(*step);
                         }
                         Report::Stall(stall) => now.stall = stall,
                         Report::Checkpoint(cp) => now.checkpoint = Some(cp),
@@ -151,7 +151,7 @@ impl<O: Observer> Observer for ReportingObserver<O> {
         if let Some(rep) = &self.reporter {
             match &event {
                 Progress::StepDone(r) => {
-                    let _ = rep.tx.send(Report::Step((**r).clone()));
+                    let _ = rep.tx.send(Report::Step(r.clone()));
                 }
                 Progress::Stalled(stall) => {
                     let _ = rep.tx.send(Report::Stall(stall.clone()));

@@ -80,6 +80,16 @@ pub fn step_samples(w: &WorkloadSpec, step: u32) -> Vec<SampleSpec> {
     v
 }
 
+/// The simulated decoding time of `engine`'s rollouts of `step` (`workload.generateMillis`).
+pub fn generate_delay(w: &WorkloadSpec, step: u32, engine: u32) -> std::time::Duration {
+    w.generate_millis.pick(seed_of(w, step, engine, u32::MAX, 0x0067_656e))
+}
+
+/// The simulated forward and backward time of trainer rank `rank` in `step` (`workload.trainMillis`).
+pub fn train_delay(w: &WorkloadSpec, step: u32, rank: u32) -> std::time::Duration {
+    w.train_millis.pick(seed_of(w, step, rank, u32::MAX, 0x0074_726e))
+}
+
 /// The samples an engine produces in a step.
 pub fn engine_samples(w: &WorkloadSpec, step: u32, engine: u32, engines: u32) -> Vec<SampleSpec> {
     step_samples(w, step).into_iter().filter(|s| s.prompt % engines.max(1) == engine).collect()

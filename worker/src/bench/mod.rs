@@ -1,10 +1,11 @@
-//! Benchmarks: `rlplane bench refit`, `tq`, `control`, and the refit link model `layout`. Each runs its peers as separate
+//! Benchmarks: `rlplane bench refit`, `tq`, `control`, `schedule`, and the refit link model `layout`. Each runs its peers as separate
 //! processes on loopback and prints ratios against a reference measured in the same run.
 
 pub mod control;
 pub mod gpu;
 pub mod layout;
 pub mod refit;
+pub mod schedule;
 pub mod tq;
 
 use clap::Subcommand;
@@ -20,6 +21,8 @@ pub enum BenchCommand {
     Control(control::Args),
     /// What a manifest's refit makes every GPU's links carry, and the refit time that predicts.
     Layout(layout::Args),
+    /// Steps per second of a job under the synchronous schedule and asynchronous ones, in one run.
+    Schedule(schedule::Args),
 }
 
 /// Hidden entry points of the processes a benchmark or test spawns.
@@ -42,6 +45,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Tq(a) => tq::run(a),
         BenchCommand::Control(a) => control::run(a),
         BenchCommand::Layout(a) => layout::run(a),
+        BenchCommand::Schedule(a) => schedule::run(a),
     }
 }
 

@@ -3,6 +3,7 @@
 //! units, handshake refusals).
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::collector::Collector;
@@ -39,6 +40,10 @@ pub struct CoordinatorMetrics {
     samples: Counter,
     imbalance: FloatGauge,
     scalars: Family<ScalarLabels, FloatGauge>,
+    policy_lag: Histogram,
+    stale_dropped: Counter,
+    engine_idle: Counter<f64, AtomicU64>,
+    trainer_idle: Counter<f64, AtomicU64>,
 }
 
 /// Phases of a step in `rlplane_step_phase_duration_seconds`.
@@ -60,6 +65,10 @@ impl CoordinatorMetrics {
             samples: Counter::default(),
             imbalance: FloatGauge::default(),
             scalars: Family::default(),
+            policy_lag: Histogram::new((0..=rlplane_api::MAX_POLICY_LAG).map(f64::from)),
+            stale_dropped: Counter::default(),
+            engine_idle: Counter::default(),
+            trainer_idle: Counter::default(),
         };
         registry.register("steps", "Steps completed", m.steps.clone());
         registry.register_with_unit("step_duration", "Wall time of a step", Unit::Seconds, m.step_duration.clone());
@@ -111,6 +120,29 @@ impl CoordinatorMetrics {
              processes report through the local API), the mean over the ranks that reported it",
             m.scalars.clone(),
         );
+        registry.register(
+            "policy_lag",
+            "Policy lag of every sample trained on: how many versions older than the previous step's weights \
+             generated it (0 in a synchronous job; at most spec.schedule.maxPolicyLag)",
+            m.policy_lag.clone(),
+        );
+        registry.register(
+            "stale_samples_dropped",
+            "Samples dropped at the claim because they lagged more than spec.schedule.maxPolicyLag",
+            m.stale_dropped.clone(),
+        );
+        registry.register_with_unit(
+            "engine_idle",
+            "Step wall time the busiest engine producer spent neither generating nor refitting",
+            Unit::Seconds,
+            m.engine_idle.clone(),
+        );
+        registry.register_with_unit(
+            "trainer_idle",
+            "Step wall time the busiest trainer rank spent neither training, updating nor sending its refit",
+            Unit::Seconds,
+            m.trainer_idle.clone(),
+        );
         for phase in STEP_PHASES {
             let _ = m.step_phases.get_or_create(&PhaseLabels { phase: phase.into() });
         }
@@ -143,6 +175,14 @@ impl CoordinatorMetrics {
         for (name, v) in &r.scalars {
             self.scalars.get_or_create(&ScalarLabels { name: name.clone() }).set(*v);
         }
+        for (lag, n) in r.policy_lags.iter().enumerate() {
+            for _ in 0..*n {
+                self.policy_lag.observe(lag as f64);
+            }
+        }
+        self.stale_dropped.inc_by(r.stale_dropped);
+        self.engine_idle.inc_by(r.engine_idle_s);
+        self.trainer_idle.inc_by(r.trainer_idle_s);
     }
 
     /// The trainer's weights are now at `version` (the update of step `version` finished).

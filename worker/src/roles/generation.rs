@@ -142,6 +142,10 @@ impl Generation {
         let tq = self.tq.as_ref().context("only an engine's producer (engine rank 0) generates")?;
         let w = &self.plan.workload;
         let t = Instant::now();
+        // Every rollout is made with the weights this rank holds now: refits wait for this
+        // command to end, so no rollout mixes versions.
+        let version = self.receiver.state().current().context("generating before the initial weights arrived")?;
+        tokio::time::sleep(workload::generate_delay(w, step, self.engine)).await;
         let samples = workload::engine_samples(w, step, self.engine, self.plan.layout.engines);
         let rollouts: Vec<_> = samples.iter().map(|s| workload::rollout(w, step, s)).collect();
         let keys: Vec<String> = samples.iter().map(|s| s.key.clone()).collect();
@@ -164,6 +168,7 @@ impl Generation {
                 vec![
                     ("uid".to_string(), format!("s{step}p{}", s.prompt)),
                     ("engine".to_string(), self.engine.to_string()),
+                    crate::tq::version::tag(version),
                 ]
             })
             .collect();

@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use super::refit_side::{self, Sender, Side, Weights, segment_id};
 use super::{Rank, announce_ready, secs, serve_commands, startup_timeout};
-use crate::control::{Command, ControlClient, ControlError, Report};
+use crate::control::{Command, ControlClient, ControlError, POLICY_LAG_COUNTER, Report};
 use crate::digest::Digest;
 use crate::gpu::Gpu;
 use crate::metrics::RankMetrics;
@@ -28,7 +28,7 @@ use crate::refit::{self, RefitPlan, SenderLayout};
 use crate::sidecar::{self, LocalApi, RankInfo};
 use crate::tq::fanout::{FanoutReceiver, FanoutSender, TcpFanoutFollower, TcpFanoutLeader};
 use crate::tq::{Batch, BatchMeta, ClientConfig, Column, TqClient};
-use crate::workload::{fields, trainer_logprobs};
+use crate::workload::{self, fields, trainer_logprobs};
 
 enum Fanout {
     Leader(TcpFanoutLeader),
@@ -59,6 +59,11 @@ struct Trainer {
     /// Its weights at a version derive from that version's seed alone, so a checkpoint holds
     /// nothing to save: resuming regenerates them.
     synthetic_checkpoints: Option<(rlplane_api::CheckpointSpec, String)>,
+    /// The policy lag a sample of a batch may have (`spec.schedule`): checked here, where the
+    /// batch arrives, whatever the coordinator's schedule did.
+    max_lag: u32,
+    /// The synthetic workload (its simulated training time).
+    workload: rlplane_api::WorkloadSpec,
 }
 
 /// Runs trainer rank `me`.
@@ -134,6 +139,8 @@ pub async fn run(
         verify,
         last_batch: None,
         synthetic_checkpoints,
+        max_lag: plan.schedule.max_lag(),
+        workload: plan.workload.clone(),
     };
     let served = serve_commands(&mut control, &mut rank, &plan.job.token).await;
     super::end_user_session(rank.user.as_ref(), &served).await;
@@ -232,6 +239,7 @@ fn train_report(
     digest: u64,
     phases: std::collections::BTreeMap<String, f64>,
     busy: f64,
+    lag: u64,
 ) -> Report {
     Report {
         busy_secs: busy,
@@ -240,6 +248,8 @@ fn train_report(
         tokens: batch.meta.total_tokens(),
         digest: Some(digest),
         phases,
+        // The largest policy lag in the batch, as this rank checked it on arrival.
+        counters: [(POLICY_LAG_COUNTER.to_string(), lag)].into(),
         ..Default::default()
     }
 }
@@ -300,6 +310,7 @@ impl Trainer {
             }
             (_, None) => anyhow::bail!("step {step}: no batch to fetch and no leader to receive one from"),
         };
+        let lag = crate::tq::version::check_batch(&batch.meta, step, self.max_lag)?;
         let t = Instant::now();
         let digest = batch_digest(&batch);
         self.last_batch = Some((step, digest));
@@ -309,8 +320,9 @@ impl Trainer {
                 .deliver_batch(step, &batch)
                 .with_context(|| format!("handing step {step}'s batch to the trainer process"))?;
             phases.insert("deliver".to_string(), secs(t));
-            return Ok(train_report(&batch, fetched, digest, phases, secs(t0)));
+            return Ok(train_report(&batch, fetched, digest, phases, secs(t0), lag));
         }
+        tokio::time::sleep(workload::train_delay(&self.workload, step, self.coords.rank)).await;
         let ids = batch.columns.iter().find(|c| c.name() == fields::INPUT_IDS).context("the batch lacks input_ids")?;
         let masks = batch
             .columns
@@ -333,7 +345,7 @@ impl Trainer {
                 .with_context(|| format!("writing back step {step}'s log-probabilities"))?;
             phases.insert("writeback".to_string(), secs(t));
         }
-        Ok(train_report(&batch, fetched, digest, phases, secs(t0)))
+        Ok(train_report(&batch, fetched, digest, phases, secs(t0), lag))
     }
 
     async fn update(&mut self, step: u32, seed: Option<u64>) -> anyhow::Result<Report> {

@@ -692,6 +692,7 @@ impl Session {
         if !tags.is_empty() && tags.len() != n {
             return Err(invalid(format!("tags: {} tag lists for {n} samples", tags.len())));
         }
+        let tags = with_policy_version(tags, n, self.local_api.peek(|s| s.held.current()))?;
         let token_total: u64 = match &tokens {
             Some(t) => t.iter().map(|&x| x as u64).sum(),
             None => cols.iter().filter(|c| c.spec().ragged).map(|c| c.offsets()[n]).max().unwrap_or(n as u64),
@@ -710,6 +711,33 @@ impl Session {
         });
         Ok(json!({"ok": true, "samples": n, "bytes": report.bytes}))
     }
+}
+
+/// Marks each of `n` samples with the policy version the engine holds (its weights can't change
+/// during a step: a refit waits for `end_step`), unless the engine tagged the sample itself;
+/// refuses a tag that is not a version number.
+fn with_policy_version(
+    mut tags: Vec<Vec<(String, String)>>,
+    n: usize,
+    held: Option<u64>,
+) -> Result<Vec<Vec<(String, String)>>, ApiError> {
+    use crate::tq::version::POLICY_VERSION_TAG;
+    let Some(held) = held else { return Ok(tags) };
+    if tags.is_empty() {
+        tags = vec![Vec::new(); n];
+    }
+    for (i, list) in tags.iter_mut().enumerate() {
+        match list.iter().find(|(k, _)| k == POLICY_VERSION_TAG) {
+            Some((_, v)) if v.parse::<u64>().is_err() => {
+                return Err(invalid(format!(
+                    "tags[{i}]: {POLICY_VERSION_TAG} = {v:?} is not a version number; leave the tag out (the sidecar adds the engine's version) or give a non-negative integer"
+                )));
+            }
+            Some(_) => {}
+            None => list.push(crate::tq::version::tag(held)),
+        }
+    }
+    Ok(tags)
 }
 
 /// Refuses a call outside the connection's scope, naming the session that makes it.
