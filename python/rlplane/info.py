@@ -110,6 +110,9 @@ class JobInfo:
         checkpoint_every: ``spec.checkpoint.everySteps`` (0: the job takes no checkpoints).
         resume: the checkpoint this epoch resumes from, or None when it starts at step 1.
         first_step: the first step this epoch runs (1, or the step after ``resume``).
+        max_policy_lag: how many versions behind the previous step's weights a step's rollouts
+            may have been generated (``spec.schedule``; 0: synchronous, each step generated with
+            the weights of the step before).
     """
 
     name: str
@@ -119,6 +122,7 @@ class JobInfo:
     checkpoint_every: int = 0
     resume: Resume | None = None
     first_step: int = 1
+    max_policy_lag: int = 0
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> JobInfo:
@@ -133,6 +137,7 @@ class JobInfo:
             checkpoint_every=int(d.get("checkpoint_every", 0) or 0),
             resume=Resume.from_wire(resume) if resume else None,
             first_step=int(d.get("first_step", 1)),
+            max_policy_lag=int(d.get("max_policy_lag", 0) or 0),
         )
 
 

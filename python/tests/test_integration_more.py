@@ -9,6 +9,7 @@ Needs the rlplane binary, as test_integration.py (its fixtures and helpers are u
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,49 @@ def test_a_trainer_that_reallocates_registers_again_and_engines_get_the_new_memo
         assert t["realloc"]["old"] == first["paths"] and t["realloc"]["old_exist"] == []
     # Each trainer rank's registered bytes went somewhere: replica 0 sends, every rank publishes.
     assert any(x["bytes"] > 0 for t in trainers for x in t["publish"][1:])
+
+
+def test_an_asynchronous_job_trains_within_its_policy_lag_and_engines_hold_each_version_exactly(
+    rlplane_bin: str, tmp_path: Path
+) -> None:
+    """spec.schedule Asynchronous, maxPolicyLag 1, under random generation and training times:
+    the engines generate a step while the trainer still trains the one before, yet every sample
+    a trainer process receives (its policy_version tag, which the sidecar adds) lags at most one
+    version; each engine holds exactly the bytes of the version it generates with (refits wait
+    for end_step, so none lands mid-step); the sample each engine labels with version 0 at step 4
+    is dropped and counted, never trained on; every other sample is trained on once."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    steps, engines, k = 6, 2, 1
+    m = manifest(tmp_path, launch(2, "exact_trainer.py", "--report", str(out), "--sleep-ms", "20,80"),
+                 launch(1, "exact_engine.py", "--report", str(out), "--sleep-ms", "20,80", "--stale-at", "4"),
+                 steps=steps, data=2, engines=engines, max_policy_lag=k)
+    p = run_local(rlplane_bin, m, tmp_path, timeout=180)
+    assert p.returncode == 0, failed(p)
+    gens = reports(out, "engine")
+    assert len(gens) == engines
+    for g in gens:
+        assert g.get("done") and [s["step"] for s in g["steps"]] == list(range(1, steps + 1)), g
+        for s in g["steps"]:
+            assert 0 <= s["step"] - 1 - s["version"] <= k and s["held"] == s["version"], s
+            assert s["bad"] == [], f"{g['rank']} step {s['step']} (version {s['held']}): {s['bad'][:4]}"
+        assert g["final"]["version"] == steps and g["final"]["bad"] == [], g["final"]
+    # Generation ran ahead: from step 2 on, each step is generated with the weights of two steps back.
+    assert all(s["version"] == max(0, s["step"] - 2) for g in gens for s in g["steps"]), gens
+    trainers = reports(out, "trainer")
+    per_step: dict[int, list[str]] = {}
+    for t in trainers:
+        assert t.get("done") and [b["step"] for b in t["batches"]] == list(range(1, steps + 1)), t
+        for b in t["batches"]:
+            lags = [b["step"] - 1 - int(v) for v in b["versions"]]
+            assert len(lags) == b["samples"] and all(0 <= lag <= k for lag in lags), (b["step"], b["versions"])
+            per_step.setdefault(b["step"], []).extend(b["keys"])
+    for step, keys in per_step.items():
+        assert len(keys) == len(set(keys)) == 2 * engines, (step, keys)  # every sample once, no stale one
+        assert not any(key.startswith("stale-") for key in keys), keys
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["summary"]["stale_dropped"] == engines, summary["summary"]
+    assert summary["summary"]["policy_lag_max"] == k and summary["summary"]["max_policy_lag"] == k
 
 
 # An explicit model for tensor parallelism: default Rows (embed), Columns on 2-D (f32 and bf16) and

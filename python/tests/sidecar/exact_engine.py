@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
+import time
 
 import numpy as np
 
@@ -62,6 +64,9 @@ def main() -> int:
     ap.add_argument("--report", required=True)
     ap.add_argument("--die-at", type=int, default=None)
     ap.add_argument("--die-code", type=int, default=3)
+    ap.add_argument("--sleep-ms", default=None, help="MIN,MAX: generate each step for a random time in this range")
+    ap.add_argument("--stale-at", type=int, default=None,
+                    help="at step S, also put one sample labelled as generated with the initial weights (version 0)")
     ap.add_argument("--device", default="cpu", help="cuda: register CUDA tensors (direct mode), read back to check")
     args = ap.parse_args()
     report: dict = {"steps": []}
@@ -86,10 +91,16 @@ def main() -> int:
                            "bad": check(views, weights, vi.version or 0)}
             report["steps"].append(entry)
             n = 2
+            if args.sleep_ms:
+                lo, hi = (int(x) for x in args.sleep_ms.split(","))
+                time.sleep(random.Random(f"{report['rank']}-{step.step}").uniform(lo, hi) / 1000)
             e.put(step, {
                 "input_ids": [np.arange(4, dtype=np.int64) + 1000 * step.step + k for k in range(n)],
                 "reward": np.full(n, float(step.step), np.float32),
             })
+            if step.step == args.stale_at:
+                e.put(step, {"input_ids": [np.arange(4, dtype=np.int64)], "reward": np.zeros(1, np.float32)},
+                      keys=[f"stale-s{step.step}-{report['rank']}"], tags=[{"policy_version": "0"}])
             if step.step == args.die_at:
                 report["died_at"] = step.step
                 save()

@@ -11,6 +11,7 @@ old memory with poison, closes its shared memory, whose files go) and registers 
 from __future__ import annotations
 
 import argparse
+import random
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ def main() -> int:
     ap.add_argument("--probe-full", action="store_true")
     ap.add_argument("--stall-at", type=int, default=None)
     ap.add_argument("--stall-s", type=float, default=120.0)
+    ap.add_argument("--sleep-ms", default=None, help="MIN,MAX: train each batch for a random time in this range")
     args = ap.parse_args()
     report: dict = {"batches": [], "publish": [], "registrations": []}
     out = lambda: os.path.join(args.report, f"trainer-{report['rank']}.json")  # noqa: E731
@@ -90,7 +92,12 @@ def main() -> int:
         p = t.publish(0)
         report["publish"].append({"version": p.version, "bytes": p.bytes})
         for batch in t.batches():
-            report["batches"].append({"step": batch.step, "samples": batch.samples})
+            tags = [dict(map(tuple, t)) for t in (batch.tags or [])]
+            report["batches"].append({"step": batch.step, "samples": batch.samples, "keys": list(batch.keys),
+                                      "versions": [t.get("policy_version") for t in tags]})
+            if args.sleep_ms:
+                lo, hi = (int(x) for x in args.sleep_ms.split(","))
+                time.sleep(random.Random(f"{report['rank']}-{batch.step}").uniform(lo, hi) / 1000)
             if batch.step == args.stall_at:
                 # Never publish: the sidecar must give up after spec.refit.timeoutSeconds. Leave
                 # once the launcher is gone (rlplane local ended the run), or at --stall-s.

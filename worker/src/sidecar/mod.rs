@@ -183,6 +183,7 @@ impl RankInfo {
             "job": {"name": self.plan.job.name, "namespace": self.plan.job.namespace, "epoch": self.plan.job.epoch,
                     "steps": self.plan.workload.steps,
                     "checkpoint_every": self.plan.checkpoint.every_steps,
+                    "max_policy_lag": self.plan.schedule.max_lag(),
                     "resume": self.plan.resume.as_ref().map(|r| json!({
                         "step": self.plan.first_version(), "version": self.plan.first_version(), "uri": r.uri})),
                     "first_step": self.plan.first_version() + 1},
