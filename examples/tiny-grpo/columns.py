@@ -49,9 +49,9 @@ def to_columns(r: Rollouts, version: int, probe_logits: torch.Tensor) -> dict:
     }
 
 
-def from_batch(batch) -> tuple[Rollouts, np.ndarray, list[torch.Tensor]]:
+def from_batch(batch) -> tuple[Rollouts, np.ndarray, list[tuple[int, torch.Tensor]]]:
     """A trainer's `rlplane.Batch` as (rollouts in the engine's order, the weights version of each
-    sample, the probe logits the batch carries)."""
+    sample, the probe logits the batch carries with the version of the weights that computed them)."""
     order = np.argsort(np.asarray(batch["index"].values), kind="stable")
     tokens, _ = batch["input_ids"].padded(task.PAD)
     mask, _ = batch["response_mask"].padded(False)
@@ -60,7 +60,8 @@ def from_batch(batch) -> tuple[Rollouts, np.ndarray, list[torch.Tensor]]:
     logprobs = batch["old_logprobs"]
     for row, i in enumerate(order):
         old[row][mask[row]] = logprobs.sample(int(i))
-    probes = [torch.from_numpy(np.array(p)) for p in batch["probe_logits"] if len(p) > 0]
+    version = np.array(batch["version"].values)
+    probes = [(int(version[i]), torch.from_numpy(np.array(p))) for i, p in enumerate(batch["probe_logits"]) if len(p) > 0]
     rollouts = Rollouts(
         tokens=torch.from_numpy(tokens.astype(np.int64)),
         response_mask=torch.from_numpy(mask.astype(bool)),
@@ -68,4 +69,4 @@ def from_batch(batch) -> tuple[Rollouts, np.ndarray, list[torch.Tensor]]:
         reward=torch.from_numpy(np.array(batch["reward"].values)[order]),
         group=torch.from_numpy(np.array(batch["group"].values)[order]),
     )
-    return rollouts, np.array(batch["version"].values)[order], probes
+    return rollouts, version[order], probes

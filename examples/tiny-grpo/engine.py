@@ -21,6 +21,7 @@ from train import device_of
 
 def main() -> int:
     grpo.set_deterministic()
+    grpo.pin_cpu_from_env()
     cfg = grpo.config_from_env()
 
     with rlplane.Engine() as e:
@@ -33,8 +34,10 @@ def main() -> int:
         probe = grpo.probe_prompts(cfg)
 
         for step in e.steps():
-            # The engine holds the weights of the previous step (version 0: the initial ones).
-            assert step.version == step.step - 1, f"step {step.step} with weights {step.version}"
+            # The engine holds the weights of the previous step (version 0: the initial ones), or
+            # with an asynchronous schedule those of up to max_policy_lag steps before.
+            lag = step.step - 1 - step.version
+            assert 0 <= lag <= e.info.job.max_policy_lag, f"step {step.step} with weights {step.version}"
             rollouts = grpo.generate(model, grpo.prompts_for_step(cfg, step.step), cfg, step.step)
             cols = columns.to_columns(rollouts, step.version, grpo.probe_logits(model, probe))
             n = len(rollouts.reward)

@@ -11,6 +11,7 @@
 """
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,13 @@ class Config:
     # importance ratio and its clipping are for.
     minibatches: int = 2
     clip_eps: float = 0.2
+    # Rollouts sampled with older weights than the trainer's (an asynchronous schedule) train with
+    # the decoupled PPO objective (AReaL): the ratio is taken to the trainer's own weights at the
+    # start of the step (the proximal policy) and clipped there, and each token is weighted by
+    # how much likelier the proximal policy finds it than the sampler did (capped). With
+    # synchronous rollouts the two policies are the same weights and the plain objective is used.
+    decoupled: bool = False
+    max_importance_weight: float = 5.0
     max_grad_norm: float = 1.0
     probe_prompts: int = 8
     # The bar a run of `steps` steps must clear: mean reward over its last 3 steps. A random
@@ -44,9 +52,11 @@ class Config:
 
 
 def config_from_env() -> Config:
-    """The defaults, with the seed from $TINY_GRPO_SEED. The trainer and the engine both call
-    this, so they agree on the prompts, the sampling noise and the probe."""
-    return Config(seed=int(os.environ.get("TINY_GRPO_SEED", Config.seed)))
+    """The defaults, with the seed from $TINY_GRPO_SEED and the minibatches per step from
+    $TINY_GRPO_MINIBATCHES. The trainer and the engine both call this, so they agree on the
+    prompts, the sampling noise and the probe."""
+    return Config(seed=int(os.environ.get("TINY_GRPO_SEED", Config.seed)),
+                  minibatches=int(os.environ.get("TINY_GRPO_MINIBATCHES", Config.minibatches)))
 
 
 def stream_seed(cfg: Config, step: int, stream: int) -> int:
@@ -166,13 +176,18 @@ def token_logprobs(model: torch.nn.Module, tokens: torch.Tensor, temperature: fl
     return F.pad(lp, (1, 0))
 
 
-def grpo_loss(model, batch: Rollouts, advantages: torch.Tensor, cfg: Config):
+def grpo_loss(model, batch: Rollouts, advantages: torch.Tensor, cfg: Config, proximal: torch.Tensor | None = None):
     """PPO's clipped surrogate with GRPO's group advantages, averaged over all response tokens of
-    the batch (padding and prompt tokens are masked out). Returns (loss, fraction clipped)."""
+    the batch (padding and prompt tokens are masked out). With `proximal` (the trainer's
+    log-probs at the start of the step), the decoupled objective (see Config.decoupled). Returns
+    (loss, fraction clipped)."""
     logprobs = token_logprobs(model, batch.tokens, cfg.temperature)
-    ratio = torch.exp(logprobs - batch.old_logprobs)
+    anchor = batch.old_logprobs if proximal is None else proximal
+    ratio = torch.exp(logprobs - anchor)
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+    if proximal is not None:
+        surrogate = surrogate * torch.exp(proximal - batch.old_logprobs).clamp(max=cfg.max_importance_weight)
     mask = batch.response_mask.float()
     loss = -(surrogate * mask).sum() / mask.sum()
     clipped = ((ratio - 1).abs() > cfg.clip_eps).float()
@@ -189,10 +204,15 @@ def train_step(model, optimizer, batch: Rollouts, cfg: Config, step: int) -> dic
     advantages = group_advantages(batch.reward, batch.group)
     order = torch.randperm(len(batch.reward), generator=torch.Generator().manual_seed(stream_seed(cfg, step, SHUFFLE)))
     losses, clip_fracs = [], []
+    proximal = None
+    if cfg.decoupled:
+        with torch.no_grad():
+            proximal = token_logprobs(model, batch.tokens.to(device), cfg.temperature) * batch.response_mask.to(device)
     for idx in order.chunk(cfg.minibatches):
         mb = select(batch, idx)
         mb = Rollouts(*(getattr(mb, f).to(device) for f in Rollouts.__dataclass_fields__))
-        loss, clip_frac = grpo_loss(model, mb, advantages[idx].to(device), cfg)
+        loss, clip_frac = grpo_loss(model, mb, advantages[idx].to(device), cfg,
+                                    None if proximal is None else proximal[idx.to(device)])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -230,10 +250,25 @@ def set_deterministic(threads: int = 1) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def pin_cpu_from_env() -> None:
+    """With $TINY_GRPO_CPU set (a core index), this process runs on that core alone: so that the
+    trainer and the engine each get a core of their own when their schedules are compared."""
+    cpu = os.environ.get("TINY_GRPO_CPU")
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        return
+    if int(cpu) not in os.sched_getaffinity(0):
+        print(f"tiny-grpo: TINY_GRPO_CPU={cpu} is not a core this process may use; not pinned", file=sys.stderr)
+        return
+    os.sched_setaffinity(0, {int(cpu)})
+
+
 def summarize(cfg: Config, curve: list[dict], wall_s: float) -> dict:
     """The run's result: its curve, and whether it cleared the bar."""
     rewards = [row["reward"] for row in curve]
     final = sum(rewards[-3:]) / max(1, len(rewards[-3:]))
+    # The first step whose mean reward over it and the two before clears the bar.
+    to_pass = next((curve[i]["step"] for i in range(2, len(rewards)) if sum(rewards[i - 2:i + 1]) / 3 >= cfg.pass_reward),
+                   None)
     return {
         "seed": cfg.seed,
         "steps": len(curve),
@@ -241,6 +276,7 @@ def summarize(cfg: Config, curve: list[dict], wall_s: float) -> dict:
         "final_reward": round(final, 4),
         "pass_reward": cfg.pass_reward,
         "passed": len(curve) >= cfg.steps and final >= cfg.pass_reward,
+        "steps_to_pass": to_pass,
         "wall_s": round(wall_s, 2),
         "curve": curve,
     }

@@ -58,6 +58,7 @@ def main() -> int:
         ap.error("--fail-once-at needs --checkpoint-dir (or $TINY_GRPO_CHECKPOINT_DIR): it remembers the failure there")
 
     grpo.set_deterministic()
+    grpo.pin_cpu_from_env()
     start = time.monotonic()
     curve = []
 
@@ -88,16 +89,25 @@ def main() -> int:
             curve = saved["curve"]
             print(json.dumps({"resumed": {"step": job.resume.step, "checkpoint": job.resume.uri}}), flush=True)
 
+        # An asynchronous job's engines generate ahead: step s's rollouts come from the weights
+        # of step s-1 or, up to max_policy_lag steps, before. The loss's importance ratio is
+        # against the log-probs the engine sampled with, so an older version is still on-policy
+        # enough for PPO's clipping; the probe check compares each engine with the version it held.
+        max_lag = job.max_policy_lag
+        cfg = replace(cfg, decoupled=max_lag > 0)
         t.publish(t.initial_version)  # the initial (or restored) weights, before the engine generates
-        published = grpo.probe_logits(model, probe)  # what an engine holding version 0 must compute
+        published = {t.initial_version: grpo.probe_logits(model, probe)}  # what an engine holding each version computes
 
         for batch in t.batches():
             rollouts, versions, engine_probes = columns.from_batch(batch)
-            held = batch.step - 1
-            # Generation never overlaps a refit: step s is generated with the weights of step s-1.
-            if not (versions == held).all():
-                raise RuntimeError(f"step {batch.step}: rollouts from weights {sorted(set(versions.tolist()))}, expected {held}")
-            compared = check_probe(batch.step, held, published, engine_probes)
+            newest = batch.step - 1
+            # Generation never overlaps a refit: each rollout comes from one published version.
+            lags = sorted(set((newest - versions).tolist()))
+            if lags[0] < 0 or lags[-1] > max_lag:
+                raise RuntimeError(f"step {batch.step}: rollouts from weights {sorted(set(versions.tolist()))}, "
+                                   f"expected {newest - max_lag} to {newest}")
+            compared = check_probe(batch.step, published, engine_probes)
+            held = max(v for v, _ in engine_probes)
 
             metrics = grpo.train_step(model, optimizer, rollouts, cfg, batch.step)
             if args.fail_once_at is not None and batch.step == int(args.fail_once_at):
@@ -111,6 +121,8 @@ def main() -> int:
             # engines, each equal bit for bit to the trainer's (check_probe raised otherwise).
             row = {"step": batch.step, **{k: round(v, 4) for k, v in metrics.items()},
                    "probe": {"version": held, "engines": compared}}
+            if max_lag:
+                row["policy_lag"] = round(float((newest - versions).mean()), 4)
             if t.checkpoint_due(batch.step):
                 # Saved before publishing: the report travels with this step's update.
                 os.makedirs(checkpoints, exist_ok=True)
@@ -120,7 +132,9 @@ def main() -> int:
                 t.checkpoint_saved(batch.step, path)
             t.report_scalars(batch.step, metrics)  # loss, KL, …: the job's metrics and status
             refit = t.publish(batch.step)
-            published = grpo.probe_logits(model, probe)
+            published[batch.step] = grpo.probe_logits(model, probe)
+            for old in [v for v in published if v < batch.step - max_lag]:
+                del published[old]  # no engine generates with it any more
 
             row.update(refit_s=round(refit.refit_s, 4), elapsed_s=round(time.monotonic() - start, 2))
             curve.append(row)
@@ -137,17 +151,21 @@ def main() -> int:
     return 0
 
 
-def check_probe(step: int, version: int, published: torch.Tensor, engine_probes: list[torch.Tensor]) -> int:
-    """Fails loudly unless every engine's probe logits equal the trainer's, bit for bit; returns how
-    many it compared."""
+def check_probe(step: int, published: dict[int, torch.Tensor], engine_probes: list[tuple[int, torch.Tensor]]) -> int:
+    """Fails loudly unless every engine's probe logits equal, bit for bit, the trainer's for the
+    version the engine held; returns how many it compared."""
     if not engine_probes:
         raise RuntimeError(f"step {step}: the batch carries no probe logits from the engine")
-    for p in engine_probes:
-        if not torch.equal(p, published):
-            diff = (p - published).abs().max().item() if p.shape == published.shape else float("nan")
+    for version, p in engine_probes:
+        if version not in published:
+            raise RuntimeError(f"step {step}: the engine generated with weights version {version}, which the trainer "
+                               f"never published or no longer keeps (it keeps {sorted(published)})")
+        published_v = published[version]
+        if not torch.equal(p, published_v):
+            diff = (p - published_v).abs().max().item() if p.shape == published_v.shape else float("nan")
             raise RuntimeError(
                 f"step {step}: the engine's probe logits for weights version {version} differ from the trainer's "
-                f"(shapes {list(p.shape)} vs {list(published.shape)}, max |difference| {diff:.3g}): refit did not "
+                f"(shapes {list(p.shape)} vs {list(published_v.shape)}, max |difference| {diff:.3g}): refit did not "
                 "deliver exactly the trainer's weights"
             )
     return len(engine_probes)

@@ -26,7 +26,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent
 REPO = EXAMPLE.parent.parent
 
 
-@pytest.mark.parametrize("job", ["rljob.yaml", "rljob-gpu-colocated.yaml", "rljob-gpu-split.yaml"])
+@pytest.mark.parametrize("job", ["rljob.yaml", "rljob-async.yaml", "rljob-gpu-colocated.yaml", "rljob-gpu-split.yaml"])
 def test_job_lists_the_models_tensors(job):
     # The RLJob's spec.model.tensors must be TinyLM's manifest, else register_model is refused.
     text = (EXAMPLE / job).read_text()
@@ -98,7 +98,7 @@ def test_columns_round_trip():
     for f in grpo.Rollouts.__dataclass_fields__:
         assert torch.equal(getattr(back, f), getattr(r, f)), f
     assert (versions == 1).all()
-    assert len(probes) == 1 and torch.equal(probes[0], probe)
+    assert len(probes) == 1 and probes[0][0] == 1 and torch.equal(probes[0][1], probe)
 
 
 def test_reference_is_deterministic_and_checks_the_probe(tmp_path):
@@ -174,6 +174,31 @@ def test_rlplane_run_learns_and_follows_the_reference(rlplane_bin, tmp_path):
     reference = json.loads((tmp_path / "ref.json").read_text())
     same = lambda r: [{k: v for k, v in row.items() if k not in ("elapsed_s", "refit_s")} for row in r["curve"]]  # noqa: E731
     assert same(result) == same(reference)
+
+
+def test_an_asynchronous_run_learns_within_its_lag_bound_nearly_as_fast_per_step(rlplane_bin, tmp_path):
+    """rljob-async.yaml (spec.schedule Asynchronous, maxPolicyLag 1; the decoupled PPO objective)
+    against the same job run synchronously (--max-policy-lag 0). Both runs are deterministic:
+    the schedule, not timing, fixes which weights generate each step (step s with those of step
+    s - 2 from step 2 on). The asynchronous run trains every step on rollouts exactly one version
+    behind, the trainer's probe check passes against the version each engine held, it clears the
+    reward bar, and it gets there in at most 1.3 times the synchronous run's steps."""
+    runs = {}
+    for lag in (0, 1):
+        result, summary = tmp_path / f"result-{lag}.json", tmp_path / f"summary-{lag}.json"
+        run = rlplane_local(rlplane_bin, EXAMPLE / "rljob-async.yaml", result, "--max-policy-lag", str(lag),
+                            "--json", str(summary))
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+        runs[lag] = (json.loads(result.read_text()), json.loads(summary.read_text())["summary"])
+    (sync, sync_summary), (asyn, asyn_summary) = runs[0], runs[1]
+    assert sync["passed"] and asyn["passed"], (sync["final_reward"], asyn["final_reward"])
+    assert sync_summary["policy_lag_max"] == 0 and asyn_summary["policy_lag_max"] == 1
+    assert asyn_summary["max_policy_lag"] == 1 and asyn_summary["stale_dropped"] == 0
+    # Step s trained on step s - 2's weights from step 2 on (the previous step's at step 1), and
+    # the engine's probe logits for them equal the trainer's, bit for bit.
+    assert [row["probe"] for row in asyn["curve"]] == [{"version": max(0, s - 2), "engines": 1} for s in range(1, 61)]
+    assert [row["policy_lag"] for row in asyn["curve"]] == [0.0] + [1.0] * 59
+    assert asyn["steps_to_pass"] <= 1.3 * sync["steps_to_pass"], (asyn["steps_to_pass"], sync["steps_to_pass"])
 
 
 def test_rlplane_run_fails_when_the_engine_holds_other_weights(rlplane_bin, tmp_path):
