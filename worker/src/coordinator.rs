@@ -203,10 +203,11 @@ pub struct StepRecord {
     /// Samples dropped at the claim because they lagged more than `maxPolicyLag` (none unless a
     /// producer labels rollouts with weights older than the schedule handed it).
     pub stale_dropped: u64,
-    /// The step's wall time the busiest engine producer spent neither generating nor refitting.
+    /// The step's wall time the busiest engine producer spent neither generating nor refitting:
+    /// with no command to work on. A refit counts as work, its wait for the senders included.
     pub engine_idle_s: f64,
     /// The step's wall time the busiest trainer rank spent neither training, updating nor
-    /// sending its refit.
+    /// sending its refit (its wait for busy receivers included in the refit).
     pub trainer_idle_s: f64,
 }
 
