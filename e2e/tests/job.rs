@@ -158,6 +158,14 @@ async fn the_colocated_cpu_job_applied_with_kubectl_runs_to_succeeded() -> anyho
     runs_to_succeeded("rljob-cpu-colocated.yaml").await
 }
 
+/// `spec.schedule: Asynchronous` through the API server (the CRD keeps the field), the operator
+/// (the plan carries it) and real pods: the engines generate ahead of the trainer, within the
+/// bound every trainer rank checks.
+#[tokio::test]
+async fn the_asynchronous_cpu_job_runs_to_succeeded() -> anyhow::Result<()> {
+    runs_to_succeeded("rljob-cpu-async.yaml").await
+}
+
 /// A job whose generation pods cannot be placed: the coordinator (in the trainer's pod) waits for
 /// their ranks, and says so — in its log and in the job's status (`kubectl get rlj -o wide`) —
 /// within seconds, long before its start-up deadline.
