@@ -38,7 +38,7 @@ pub const MAGIC: [u8; 4] = *b"RCTL";
 /// per field, `tag_sets`, `tags`), no longer one object per sample. 4: a `Train` command's batch
 /// travels in the frame after the command, in the transfer queue's binary metadata layout
 /// ([`crate::tq::codec::encode_meta`]); the command says so with `attached`.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 
 /// What the coordinator asks a rank to do.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -47,6 +47,11 @@ pub enum Command {
     Generate {
         /// Step.
         step: u32,
+        /// The oldest weights the step may be generated with (`step − 1 − maxPolicyLag`): an
+        /// engine that receives refits while it generates waits, at the step's start, until it
+        /// holds at least this version.
+        #[serde(default)]
+        min_version: u64,
     },
     /// Trainer ranks: train on a batch. A data-parallel leader gets its shard's batch to fetch
     /// (and fan out); followers get `None` and receive the batch from their leader.
@@ -908,7 +913,7 @@ mod tests {
         let mut s = ControlServer::accept_all(&l, &names, &tok(), deadline, None).await.unwrap();
         s.wait_ready(deadline).await.unwrap();
         for step in 0..20 {
-            let r = s.run(&names, Command::Generate { step }, deadline).await.unwrap();
+            let r = s.run(&names, Command::Generate { step, min_version: 0 }, deadline).await.unwrap();
             assert_eq!(r.len(), 2);
         }
         assert_eq!(s.dispatch.len(), 40, "every command's dispatch was timed");

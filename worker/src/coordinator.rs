@@ -409,7 +409,7 @@ async fn run_steps(
     let mut window = GenerationWindow::new(v0 + 1, plan.workload.steps, record.max_policy_lag);
     let update = server.dispatch(update_commands(&roles, v0, Some(update_seed(v0, &[])))).await?;
     let behind = roles.generate_behind_refit.then(|| window.take(v0, v0 + 1)).flatten();
-    let sync = update_and_refit(&mut server, &roles, v0, update, behind, timeout, None).await?;
+    let sync = update_and_refit(&mut server, &roles, v0, update, window.with_min(behind), timeout, None).await?;
     let mut generating = Generating::default();
     generating.queued(behind, sync.generate);
     record.initial_sync_s = t.elapsed().as_secs_f64();
@@ -421,13 +421,15 @@ async fn run_steps(
         server.set_step(step);
         // Generation runs as far ahead as the schedule allows; the engines hold version step − 1.
         while let Some(j) = window.take(step - 1, step) {
-            let sent = server.dispatch(roles.producers.iter().map(|p| (p, Command::Generate { step: j }))).await?;
+            let generate = Command::Generate { step: j, min_version: window.min_version(j) };
+            let sent = server.dispatch(roles.producers.iter().map(|p| (p, generate.clone()))).await?;
             generating.push(j, sent);
         }
         let generate = generating.take(step)?;
         // The next Generate the refit's new version allows goes out queued behind it.
         let behind = roles.generate_behind_refit.then(|| window.take(step, step + 1)).flatten();
-        let (r, queued) = run_step(plan, &roles, &mut server, controller, step, generate, behind, timeout, observer)
+        let next = window.with_min(behind);
+        let (r, queued) = run_step(plan, &roles, &mut server, controller, step, generate, next, timeout, observer)
             .instrument(span)
             .await?;
         generating.queued(behind, queued);
@@ -567,7 +569,7 @@ async fn run_step(
     controller: &TqController,
     step: u32,
     generate: Pending,
-    next: Option<u32>,
+    next: Option<(u32, u64)>,
     timeout: Duration,
     observer: &dyn Observer,
 ) -> Result<(StepRecord, Option<Pending>), CoordinatorError> {
@@ -939,7 +941,7 @@ async fn update_and_refit(
     roles: &Roles,
     version: u32,
     update: Pending,
-    next_generate: Option<u32>,
+    next_generate: Option<(u32, u64)>,
     timeout: Duration,
     observer: Option<&dyn Observer>,
 ) -> Result<UpdateRefit, CoordinatorError> {
@@ -961,10 +963,12 @@ async fn update_and_refit(
             cmds.push((r.clone(), Command::Refit { version: version as u64, expected }));
         }
     }
-    if let Some(step) = next_generate.filter(|_| roles.generate_behind_refit) {
+    if let Some((step, min_version)) = next_generate.filter(|_| roles.generate_behind_refit) {
         // Behind the refit in the same write: the producer generates as soon as it holds the new
-        // weights, without waiting for the other engines or for this coordinator.
-        cmds.extend(roles.producers.iter().map(|p| (p.clone(), Command::Generate { step })));
+        // weights (or, receiving while it generates, as soon as it holds `min_version`), without
+        // waiting for the other engines or for this coordinator.
+        let generate = Command::Generate { step, min_version };
+        cmds.extend(roles.producers.iter().map(|p| (p.clone(), generate.clone())));
     }
     let sent = server.dispatch(cmds).await?;
     let (generate, receiver_refits) = server.split(sent, |c, _| c == "generate");

@@ -198,7 +198,7 @@ async fn the_control_port_admits_only_the_key_holder() {
         }
     });
     let names = vec!["gen-0".to_string()];
-    assert_eq!(server.run(&names, Command::Generate { step: 0 }, deadline()).await.unwrap().len(), 1);
+    assert_eq!(server.run(&names, Command::Generate { step: 0, min_version: 0 }, deadline()).await.unwrap().len(), 1);
     server.shutdown_all().await;
 }
 

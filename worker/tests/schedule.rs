@@ -119,11 +119,14 @@ fn generation_runs_ahead_by_at_most_the_lag_the_job_allows() {
         let steps = 8;
         let doc = run(k, steps);
         let by_lag = check_steps(&doc, k, steps);
-        // Generation ran ahead: from step k + 1 on, engines generate step s while the trainer
-        // still trains an earlier one, so most samples lag exactly k.
+        // Generation ran ahead: from step 2 on, step s is generated while the trainer still
+        // trains step s - 1, so with weights at least one version old. (How old exactly, up to
+        // k, depends on whether a refit landed before the step started: the engine receives
+        // while it generates and takes the newest version at each step's start.)
+        let lagged: u64 = by_lag[1..].iter().sum();
         assert!(
-            by_lag[k as usize] >= (steps - k) as u64 * SAMPLES_PER_STEP,
-            "k = {k}: samples by lag {by_lag:?}: generation did not run {k} steps ahead"
+            lagged >= u64::from(steps - 1) * SAMPLES_PER_STEP,
+            "k = {k}: samples by lag {by_lag:?}: generation did not run ahead"
         );
         let s = &doc["summary"];
         assert_eq!(s["max_policy_lag"], k);

@@ -103,7 +103,9 @@ async fn bench(args: Args) -> anyhow::Result<()> {
     server.wait_ready(deadline).await?;
     let t = Instant::now();
     for i in 0..args.commands {
-        server.run(&names, Command::Generate { step: i }, Instant::now() + Duration::from_secs(10)).await?;
+        server
+            .run(&names, Command::Generate { step: i, min_version: 0 }, Instant::now() + Duration::from_secs(10))
+            .await?;
     }
     let per_phase = t.elapsed() / args.commands;
     let steps = if args.ranks >= 2 && args.steps > 0 {
@@ -247,7 +249,7 @@ async fn one_step(
 ) -> anyhow::Result<Option<Pending>> {
     let deadline = || Instant::now() + timeout;
     let version = step as u64;
-    let generate = |s| engines.iter().map(move |e| (e.clone(), Command::Generate { step: s }));
+    let generate = |s| engines.iter().map(move |e| (e.clone(), Command::Generate { step: s, min_version: 0 }));
     let train = trainers.iter().map(|t| (t.clone(), Command::Train { step, batch: None }));
     let update = |seed| trainers.iter().map(move |t| (t.clone(), Command::Update { step, seed }));
     let receive = engines.iter().map(|e| (e.clone(), Command::Refit { version, expected: 0 }));

@@ -10,6 +10,8 @@
 /// The steps whose Generate went out so far, and the bound they follow.
 #[derive(Clone, Debug)]
 pub struct GenerationWindow {
+    /// The run's first step.
+    first: u32,
     /// The next step to generate.
     next: u32,
     /// The last step of the run.
@@ -21,7 +23,7 @@ pub struct GenerationWindow {
 impl GenerationWindow {
     /// Steps `first..=last`, generated at most `max_lag` versions behind.
     pub fn new(first: u32, last: u32, max_lag: u32) -> GenerationWindow {
-        GenerationWindow { next: first, last, max_lag }
+        GenerationWindow { first, next: first, last, max_lag }
     }
 
     /// The step whose Generate may go out now, when the engines will run it holding `version`
@@ -36,6 +38,17 @@ impl GenerationWindow {
             self.next += 1;
             j
         })
+    }
+
+    /// The oldest version step `j` may be generated with: `j − 1 − k`, and none older than the
+    /// run's first (the initial or restored weights, `first − 1`).
+    pub fn min_version(&self, j: u32) -> u64 {
+        u64::from(j.saturating_sub(1 + self.max_lag).max(self.first.saturating_sub(1)))
+    }
+
+    /// `step` with its [`GenerationWindow::min_version`].
+    pub fn with_min(&self, step: Option<u32>) -> Option<(u32, u64)> {
+        step.map(|j| (j, self.min_version(j)))
     }
 
     /// The next step to generate.
@@ -85,6 +98,15 @@ mod tests {
             let gens = engine_order(10, k).iter().filter(|c| c.starts_with('G')).count();
             assert_eq!(gens, 10, "k = {k}: every step generated once");
         }
+    }
+
+    #[test]
+    fn the_oldest_version_a_step_may_use_is_its_lag_behind_and_never_before_the_first() {
+        let w = GenerationWindow::new(1, 10, 2);
+        assert_eq!((1..=5).map(|j| w.min_version(j)).collect::<Vec<_>>(), [0, 0, 0, 1, 2]);
+        let resumed = GenerationWindow::new(5, 10, 2);
+        assert_eq!((5..=8).map(|j| resumed.min_version(j)).collect::<Vec<_>>(), [4, 4, 4, 5]);
+        assert_eq!(GenerationWindow::new(1, 3, 0).min_version(3), 2);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::time::Instant;
 use anyhow::Context;
 use rlplane_api::TqPlacement;
 use rlplane_api::plan::{ProcessRole, WorkerPlan};
+use tokio::sync::watch;
 use tracing::Instrument;
 
 use super::refit_side::{self, Receiver, Side, Weights, segment_id};
@@ -24,19 +25,39 @@ use crate::sidecar::{self, LocalApi, RankInfo};
 use crate::tq::{ClientConfig, Column, PutOptions, TqClient};
 use crate::workload::{self, fields};
 
-struct Generation {
-    plan: WorkerPlan,
+/// The half of a generation rank that makes the engine's rollouts (Generate).
+struct Producer {
+    plan: Arc<WorkerPlan>,
     engine: u32,
     tq: Option<Arc<TqClient>>,
+    metrics: RankMetrics,
+    /// The user's engine process, when it does the generation (`spec.generation.template`).
+    user: Option<LocalApi>,
+    /// How long the rank waits for the user's process, or for weights (the coordinator's bound
+    /// on a command).
+    timeout: std::time::Duration,
+    /// The newest version received and verified.
+    received: watch::Receiver<Option<u64>>,
+}
+
+/// The half of a generation rank that receives the weights (Refit).
+struct Refitter {
+    plan: Arc<WorkerPlan>,
     /// Every sender's plan, in the group's sender order (for the digests).
     plans: Vec<Arc<RefitPlan>>,
     receiver: Receiver,
     weights: Weights,
     metrics: RankMetrics,
-    /// The user's engine process, when it does the generation (`spec.generation.template`).
     user: Option<LocalApi>,
-    /// How long the rank waits for the user's process (the coordinator's bound on a command).
     timeout: std::time::Duration,
+    received: watch::Sender<Option<u64>>,
+}
+
+/// A generation rank that runs its commands in order: a refit waits for the step being
+/// generated, and the next step for the refit queued before it.
+struct Generation {
+    producer: Producer,
+    refitter: Refitter,
 }
 
 /// Runs generation rank `me`.
@@ -70,7 +91,7 @@ pub async fn run(
         true => Some(Arc::new(TqClient::new(ClientConfig::from_plan(plan, me, auth)?, local_unit)?)),
         false => None,
     };
-    let user = if plan.user_processes.generation {
+    let user: Option<LocalApi> = if plan.user_processes.generation {
         Some(LocalApi::start(RankInfo {
             plan: Arc::new(plan.clone()),
             me,
@@ -86,6 +107,7 @@ pub async fn run(
         None
     };
     announce_ready(metrics.addr());
+    let rank_user = user.clone();
 
     let (control, connected) = tokio::join!(
         control,
@@ -100,28 +122,89 @@ pub async fn run(
         Weights::alloc(kind, gpu.as_ref(), plan.manifest().iter().map(|t| Some(t.size_bytes())))?
     };
     let timeout = std::time::Duration::from_secs(plan.refit.timeout_seconds as u64);
-    let mut rank =
-        Generation { plan: plan.clone(), engine: coords.engine, tq, plans, receiver, weights, metrics, user, timeout };
-    let r = serve_commands(&mut control, &mut rank, &plan.job.token).await;
-    super::end_user_session(rank.user.as_ref(), &r).await;
+    let shared = Arc::new(plan.clone());
+    let (received_tx, received) = watch::channel(None);
+    let producer = Producer {
+        plan: shared.clone(),
+        engine: coords.engine,
+        tq,
+        metrics: metrics.clone(),
+        user: user.clone(),
+        timeout,
+        received,
+    };
+    let refitter = Refitter { plan: shared, plans, receiver, weights, metrics, user, timeout, received: received_tx };
+    let r = if receives_while_generating(plan) {
+        super::lanes::serve_two_lanes(&mut control, producer, refitter, is_refit, &plan.job.token).await
+    } else {
+        serve_commands(&mut control, &mut Generation { producer, refitter }, &plan.job.token).await
+    };
+    super::end_user_session(rank_user.as_ref(), &r).await;
     if let Some(s) = serving {
         s.abort();
     }
     r
 }
 
+/// Whether this rank receives refits while its engine generates: an asynchronous job's synthetic
+/// engine, whose generation reads no weights (so it receives in place, and takes each version at
+/// the start of a step). A user's engine, and every engine of a synchronous job, runs its
+/// commands in order.
+fn receives_while_generating(plan: &WorkerPlan) -> bool {
+    plan.schedule.max_lag() > 0 && !plan.user_processes.generation
+}
+
+fn is_refit(command: &Command) -> bool {
+    matches!(command, Command::Refit { .. })
+}
+
 impl Rank for Generation {
     async fn execute(&mut self, command: Command) -> anyhow::Result<Report> {
         match command {
-            Command::Generate { step } => self.generate(step).await,
-            Command::Refit { version, expected } => self.refit(version, expected).await,
+            Command::Generate { .. } => self.producer.execute(command).await,
+            Command::Refit { .. } => self.refitter.execute(command).await,
             other => anyhow::bail!("a generation rank has no part in {}", other.name()),
         }
     }
 }
 
-impl Generation {
-    async fn generate(&mut self, step: u32) -> anyhow::Result<Report> {
+impl Rank for Producer {
+    async fn execute(&mut self, command: Command) -> anyhow::Result<Report> {
+        match command {
+            Command::Generate { step, min_version } => self.generate(step, min_version).await,
+            other => anyhow::bail!("a generation rank's producer has no part in {}", other.name()),
+        }
+    }
+}
+
+impl Rank for Refitter {
+    async fn execute(&mut self, command: Command) -> anyhow::Result<Report> {
+        match command {
+            Command::Refit { version, expected } => self.refit(version, expected).await,
+            other => anyhow::bail!("a generation rank's receiver has no part in {}", other.name()),
+        }
+    }
+}
+
+impl Producer {
+    /// The newest version received, once it is `min_version` or newer: the weights step `step`
+    /// is generated with.
+    async fn weights_for(&mut self, step: u32, min_version: u64) -> anyhow::Result<u64> {
+        let wait = self.received.wait_for(|v| v.is_some_and(|v| v >= min_version));
+        match tokio::time::timeout(self.timeout, wait).await {
+            Ok(Ok(v)) => Ok(v.expect("waited for a version")),
+            Ok(Err(_)) => anyhow::bail!("step {step}: the refit side of this rank is gone"),
+            Err(_) => anyhow::bail!(
+                "step {step} needs weights of version {min_version} or newer, and none arrived within spec.refit.timeoutSeconds ({} s)",
+                self.timeout.as_secs()
+            ),
+        }
+    }
+
+    async fn generate(&mut self, step: u32, min_version: u64) -> anyhow::Result<Report> {
+        // Every rollout of the step is made with one version: the newest this rank holds as the
+        // step starts (a refit arriving meanwhile is taken at the next step).
+        let version = self.weights_for(step, min_version).await?;
         if let Some(local_api) = &self.user {
             // The user's engine generates: hand it the step, wait for its end_step.
             let t = Instant::now();
@@ -139,12 +222,9 @@ impl Generation {
                 ..Default::default()
             });
         }
+        let t = Instant::now();
         let tq = self.tq.as_ref().context("only an engine's producer (engine rank 0) generates")?;
         let w = &self.plan.workload;
-        let t = Instant::now();
-        // Every rollout is made with the weights this rank holds now: refits wait for this
-        // command to end, so no rollout mixes versions.
-        let version = self.receiver.state().current().context("generating before the initial weights arrived")?;
         tokio::time::sleep(workload::generate_delay(w, step, self.engine)).await;
         let samples = workload::engine_samples(w, step, self.engine, self.plan.layout.engines);
         let rollouts: Vec<_> = samples.iter().map(|s| workload::rollout(w, step, s)).collect();
@@ -189,11 +269,19 @@ impl Generation {
             ..Default::default()
         })
     }
+}
 
+impl Refitter {
     async fn refit(&mut self, version: u64, expected: u64) -> anyhow::Result<Report> {
-        if let Some(local_api) = self.user.clone() {
-            return self.refit_user(&local_api, version, expected).await;
-        }
+        let report = match self.user.clone() {
+            Some(local_api) => self.refit_user(&local_api, version, expected).await?,
+            None => self.refit_synthetic(version, expected).await?,
+        };
+        self.received.send_replace(report.version);
+        Ok(report)
+    }
+
+    async fn refit_synthetic(&mut self, version: u64, expected: u64) -> anyhow::Result<Report> {
         let t = Instant::now();
         let stats =
             self.receiver.receive(&mut self.weights).instrument(tracing::info_span!("refit.receive", version)).await?;
@@ -221,7 +309,7 @@ impl Generation {
     }
 }
 
-impl Generation {
+impl Refitter {
     /// Refit into the user engine's registered tensors (or the staging buffers it loads from).
     async fn refit_user(&mut self, local_api: &LocalApi, version: u64, expected: u64) -> anyhow::Result<Report> {
         let deadline = tokio::time::Instant::now() + self.timeout;

@@ -8,6 +8,7 @@
 //! 3. execute the coordinator's commands until Shutdown.
 
 pub mod generation;
+mod lanes;
 pub mod refit_side;
 pub mod storage;
 pub mod trainer;
@@ -42,9 +43,9 @@ pub trait Rank {
 }
 
 /// The step a command belongs to (a refit's version is its step).
-fn command_step(command: &Command) -> Option<u32> {
+pub(super) fn command_step(command: &Command) -> Option<u32> {
     match command {
-        Command::Generate { step } | Command::Train { step, .. } | Command::Update { step, .. } => Some(*step),
+        Command::Generate { step, .. } | Command::Train { step, .. } | Command::Update { step, .. } => Some(*step),
         Command::Refit { version, .. } => u32::try_from(*version).ok(),
         Command::Shutdown => None,
     }
