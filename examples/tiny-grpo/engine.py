@@ -30,10 +30,20 @@ def main() -> int:
         # the first step. Registering in direct mode lets refit write straight into the
         # parameters (shared memory on CPU, CUDA IPC on GPU).
         model = TinyLM().to(device)
-        rlplane.torch.register_model(e, model)
+        # Asynchronous (the trainer trains while this engine samples): staged, so that refit fills
+        # the sidecar's buffers with the next weights while this engine samples from its own, and
+        # the engine takes them between two steps. Synchronous: refit writes in place.
+        staged = rlplane.torch.staged_tensors(e) if e.info.job.max_policy_lag else None
+        if staged is None:
+            rlplane.torch.register_model(e, model)
         probe = grpo.probe_prompts(cfg)
 
         for step in e.steps():
+            if staged is not None:
+                with e.staged(step.version) as taken, torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(staged[name])
+                step = rlplane.Step(step=step.step, version=taken)
             # The engine holds the weights of the previous step (version 0: the initial ones), or
             # with an asynchronous schedule those of up to max_policy_lag steps before.
             lag = step.step - 1 - step.version

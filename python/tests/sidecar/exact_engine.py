@@ -67,6 +67,9 @@ def main() -> int:
     ap.add_argument("--sleep-ms", default=None, help="MIN,MAX: generate each step for a random time in this range")
     ap.add_argument("--stale-at", type=int, default=None,
                     help="at step S, also put one sample labelled as generated with the initial weights (version 0)")
+    ap.add_argument("--staged", action="store_true",
+                    help="register staged: refit fills the sidecar's buffers and the engine copies them into its own "
+                         "arrays at each step's start (what it generates with)")
     ap.add_argument("--device", default="cpu", help="cuda: register CUDA tensors (direct mode), read back to check")
     args = ap.parse_args()
     report: dict = {"steps": []}
@@ -80,20 +83,38 @@ def main() -> int:
         report["rank"] = info.rank.name
         report["hello"] = info.raw
         weights = list(info.weights)
-        if args.device == "cuda":
+        staging = None
+        if args.staged:
+            staging = e.register_staged()
+            views = {name: np.array(v) for name, v in staging.items()}  # the engine's own copy
+        elif args.device == "cuda":
             views = CudaViews(e, weights)
         else:
             views = {w.name: e.alloc(w.name) for w in weights}
             e.register(views)
         for step in e.steps():
-            vi = e.wait_version(step.version or 0, timeout=30)
-            entry: dict = {"step": step.step, "version": step.version, "held": vi.version,
-                           "bad": check(views, weights, vi.version or 0)}
+            if staging is not None:
+                # Take the newest staged weights between two steps; refit may fill the staging
+                # buffers with the next version while this step generates from the copy.
+                with e.staged(step.version or 0, timeout=30) as taken:
+                    for name, v in staging.items():
+                        np.copyto(views[name], v)
+                held = taken
+            else:
+                held = e.wait_version(step.version or 0, timeout=30).version
+            entry: dict = {"step": step.step, "version": step.version, "held": held,
+                           "bad": check(views, weights, held or 0)}
             report["steps"].append(entry)
             n = 2
             if args.sleep_ms:
                 lo, hi = (int(x) for x in args.sleep_ms.split(","))
                 time.sleep(random.Random(f"{report['rank']}-{step.step}").uniform(lo, hi) / 1000)
+            # What the sidecar holds once the step's generation is done: staged, a newer version
+            # may have arrived meanwhile; direct, never (the engine's own tensors don't change
+            # inside a step).
+            entry["held_after"] = e.version().version
+            if staging is None:
+                entry["bad_after"] = check(views, weights, held or 0)
             e.put(step, {
                 "input_ids": [np.arange(4, dtype=np.int64) + 1000 * step.step + k for k in range(n)],
                 "reward": np.full(n, float(step.step), np.float32),
@@ -106,9 +127,10 @@ def main() -> int:
                 save()
                 print(f"exact_engine.py: dying at step {step.step} (os._exit({args.die_code}))", file=sys.stderr, flush=True)
                 os._exit(args.die_code)
-        # After the job's last step its last refit is in place too.
+        # After the job's last step its last refit is in place too (in the staging buffers, staged).
         vi = e.version()
-        report["final"] = {"version": vi.version, "state": vi.state, "bad": check(views, weights, vi.version or 0)}
+        final_views = staging if staging is not None else views
+        report["final"] = {"version": vi.version, "state": vi.state, "bad": check(final_views, weights, vi.version or 0)}
         report["done"] = True
     save()
     return 0

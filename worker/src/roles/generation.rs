@@ -146,12 +146,14 @@ pub async fn run(
     r
 }
 
-/// Whether this rank receives refits while its engine generates: an asynchronous job's synthetic
-/// engine, whose generation reads no weights (so it receives in place, and takes each version at
-/// the start of a step). A user's engine, and every engine of a synchronous job, runs its
-/// commands in order.
+/// Whether this rank receives refits while its engine generates: every engine of an asynchronous
+/// job. The synthetic engine's generation reads no weights, so it receives in place and takes
+/// each version at a step's start; a user's engine registered staged takes the staging buffers
+/// when it chooses (between its steps), and one registered direct has its tensors written only
+/// between `end_step` and the next `next_step`. A synchronous job's engines run their commands in
+/// order.
 fn receives_while_generating(plan: &WorkerPlan) -> bool {
-    plan.schedule.max_lag() > 0 && !plan.user_processes.generation
+    plan.schedule.max_lag() > 0
 }
 
 fn is_refit(command: &Command) -> bool {
@@ -208,7 +210,7 @@ impl Producer {
         if let Some(local_api) = &self.user {
             // The user's engine generates: hand it the step, wait for its end_step.
             let t = Instant::now();
-            local_api.start_step(step);
+            local_api.start_step(step, min_version);
             let put = local_api.wait_step_ended(step, tokio::time::Instant::now() + self.timeout).await?;
             self.metrics.tq_put(put.bytes, put.seconds);
             return Ok(Report {
@@ -314,9 +316,13 @@ impl Refitter {
     async fn refit_user(&mut self, local_api: &LocalApi, version: u64, expected: u64) -> anyhow::Result<Report> {
         let deadline = tokio::time::Instant::now() + self.timeout;
         local_api.wait_registered(deadline).await?;
-        if local_api.staged() {
+        let _writing = if local_api.staged() {
             local_api.wait_staging_free(deadline).await?;
-        }
+            None
+        } else {
+            local_api.begin_direct_refit(deadline).await?;
+            Some(DirectRefit(local_api))
+        };
         let mut weights = local_api.weights().await;
         let w = weights.as_mut().context("the engine process's weights are not registered")?;
         let t = Instant::now();
@@ -358,6 +364,16 @@ impl Refitter {
             self.metrics.weight_version(v);
         }
         Ok(refit_report(&stats, held.current(), digest, busy, verify))
+    }
+}
+
+/// A refit writing into a user engine's own tensors: the engine's next step waits until it is
+/// dropped (also when the refit fails).
+struct DirectRefit<'a>(&'a LocalApi);
+
+impl Drop for DirectRefit<'_> {
+    fn drop(&mut self) {
+        self.0.end_direct_refit();
     }
 }
 

@@ -280,6 +280,13 @@ struct State {
     held: WeightsState,
     /// The staged version lent to the engine.
     lent: Option<u64>,
+    /// Staged registration: the version the engine last took from the staging buffers (what it
+    /// generates with).
+    taken: Option<u64>,
+    /// The oldest version the step under way may be generated with.
+    min_version: u64,
+    /// A refit is writing into the engine's own registered tensors: no step may start.
+    writing: bool,
     /// Files this rank wrote for the user (batches, staging), removed when the rank ends.
     files: Vec<PathBuf>,
 }
@@ -473,12 +480,31 @@ impl LocalApi {
         self.update(|s| s.refit = Some((version, outcome)));
     }
 
-    /// Engine producer: step `step` starts.
-    pub fn start_step(&self, step: u32) {
+    /// Engine producer: step `step` starts; it must be generated with weights of `min_version`
+    /// or newer.
+    pub fn start_step(&self, step: u32, min_version: u64) {
         self.update(|s| {
             s.step = Some((step, false));
+            s.min_version = min_version;
             s.put = PutTotals::default();
         });
+    }
+
+    /// Engine, direct registration: waits until no step is under way (the engine is between
+    /// `end_step` and its next `next_step`), then holds the next step back until
+    /// [`LocalApi::end_direct_refit`]: a refit into the engine's own tensors never lands during a
+    /// forward pass.
+    pub async fn begin_direct_refit(&self, deadline: Instant) -> anyhow::Result<()> {
+        self.rank_wait(deadline, "end the step under way (end_step) before the refit writes its weights", |s| {
+            let under_way = matches!(s.step, Some((st, true)) if s.ended != Some(st));
+            (!under_way).then(|| s.writing = true)
+        })
+        .await
+    }
+
+    /// Engine, direct registration: the refit is done writing (also when it failed).
+    pub fn end_direct_refit(&self) {
+        self.update(|s| s.writing = false);
     }
 
     /// Engine producer: waits until the user ended step `step`; returns what it put.

@@ -401,7 +401,7 @@ impl Session {
         }
         let r = self
             .wait_session(None, |s| match s.step {
-                Some((step, false)) => {
+                Some((step, false)) if !s.writing => {
                     s.step = Some((step, true));
                     Some(Some((step, s.held.current())))
                 }
@@ -429,6 +429,24 @@ impl Session {
         Ok(())
     }
 
+    /// The version the engine generates step `step` with: the staged version it last took, or
+    /// the one refit wrote into its own tensors. Refused when older than the step allows
+    /// (`spec.schedule.maxPolicyLag`): a staged engine must take newer weights first.
+    fn generating_version(&self, step: u32) -> Result<Option<u64>, ApiError> {
+        let (version, min) = self.local_api.peek(|s| {
+            let staged = s.registered.is_some_and(|(_, staged)| staged);
+            let version = if staged { s.taken } else { s.held.current() };
+            (version, s.min_version)
+        });
+        match version {
+            Some(v) if v < min => Err(state(format!(
+                "step {step} must be generated with weights of version {min} or newer, and this engine last took \
+                 version {v}: take the staged weights first (engine.staged(step.version))"
+            ))),
+            v => Ok(v),
+        }
+    }
+
     /// `end_step`: every rollout of the step under way is put.
     fn end_step(&self, step: u32) -> Result<(), ApiError> {
         self.need(Role::Engine, "end_step")?;
@@ -453,7 +471,10 @@ impl Session {
         let deadline = deadline_of(timeout_s)?;
         let held = self.wait_held(version, deadline).await?;
         let v = held.current().unwrap_or(version);
-        self.local_api.update(|s| s.lent = Some(v));
+        self.local_api.update(|s| {
+            s.lent = Some(v);
+            s.taken = Some(v);
+        });
         Ok(json!({"ok": true, "version": v}))
     }
 
@@ -692,7 +713,7 @@ impl Session {
         if !tags.is_empty() && tags.len() != n {
             return Err(invalid(format!("tags: {} tag lists for {n} samples", tags.len())));
         }
-        let tags = with_policy_version(tags, n, self.local_api.peek(|s| s.held.current()))?;
+        let tags = with_policy_version(tags, n, self.generating_version(step)?)?;
         let token_total: u64 = match &tokens {
             Some(t) => t.iter().map(|&x| x as u64).sum(),
             None => cols.iter().filter(|c| c.spec().ragged).map(|c| c.offsets()[n]).max().unwrap_or(n as u64),
