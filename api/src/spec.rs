@@ -106,6 +106,7 @@ pub struct RLJobSpec {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.policy == 'Asynchronous' || !has(self.maxPolicyLag) || self.maxPolicyLag == 0").message("spec.schedule.maxPolicyLag: only an Asynchronous schedule lets generation run ahead; set policy: Asynchronous, or leave maxPolicyLag out"))]
+#[x_kube(validation = Rule::new("self.policy == 'Asynchronous' || !has(self.partialRollouts) || !self.partialRollouts").message("spec.schedule.partialRollouts: only an Asynchronous schedule has newer weights to take inside a step; set policy: Asynchronous, or leave partialRollouts out"))]
 pub struct ScheduleSpec {
     /// `Synchronous` (default): generate, train, refit, each waiting for the last. `Asynchronous`:
     /// the engines generate the next steps' rollouts while the trainer trains, and take new
@@ -119,6 +120,12 @@ pub struct ScheduleSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(max = 8))]
     pub max_policy_lag: Option<u32>,
+    /// Asynchronous only: an engine registered staged may take newer weights in the middle of a
+    /// step (partial rollouts: the rollouts under way continue with the new weights). Its
+    /// samples then carry the first and the last version among their tokens (tags
+    /// `policy_version` and `policy_version_last`); the lag bound applies to the first.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partial_rollouts: bool,
 }
 
 /// Whether generation waits for training.
@@ -152,7 +159,7 @@ impl ScheduleSpec {
 
     /// An asynchronous schedule with lag `k` (0: the synchronous one).
     pub fn asynchronous(k: u32) -> ScheduleSpec {
-        ScheduleSpec { policy: SchedulePolicy::Asynchronous, max_policy_lag: Some(k) }
+        ScheduleSpec { policy: SchedulePolicy::Asynchronous, max_policy_lag: Some(k), partial_rollouts: false }
     }
 }
 

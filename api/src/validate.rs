@@ -358,6 +358,12 @@ fn schedule(spec: &RLJobSpec, c: &mut Collector) {
         (_, Some(k)) => c.range("spec.schedule.maxPolicyLag", k, 0, MAX_POLICY_LAG),
         _ => {}
     }
+    if s.partial_rollouts && s.policy == SchedulePolicy::Synchronous {
+        c.err(
+            "spec.schedule.partialRollouts",
+            "needs policy: Asynchronous (a synchronous engine never has newer weights to take inside a step); set it, or leave partialRollouts out",
+        );
+    }
 }
 
 /// `spec.runPolicy`.

@@ -43,7 +43,7 @@ def manifest(tmp: Path, trainer_cmd: list[str], engine_cmd: list[str], *, steps:
              engines: int = 2, name: str = "py-client", gpu: bool = False, tensor: int = 1,
              tensors: list[dict[str, Any]] | None = None, timeout_s: int = 30, source: str = "Sharded",
              checkpoint_every: int = 0, gen_tp: int = 1, gen_gpus_per_node: int | None = None,
-             fsdp: int = 1, max_policy_lag: int | None = None) -> Path:
+             fsdp: int = 1, max_policy_lag: int | None = None, partial_rollouts: bool = False) -> Path:
     """An RLJob running the given user commands: `tensor`-way tensor-parallel trainer ranks per
     data-parallel shard, the tiny preset or the explicit `tensors` (spec.model.tensors entries),
     `timeout_s` the bound on each step's commands (spec.refit.timeoutSeconds)."""
@@ -91,6 +91,8 @@ spec:
         text += f"  checkpoint:\n    everySteps: {checkpoint_every}\n"
     if max_policy_lag is not None:
         text += f"  schedule:\n    policy: Asynchronous\n    maxPolicyLag: {max_policy_lag}\n"
+        if partial_rollouts:
+            text += "    partialRollouts: true\n"
     p = tmp / "rljob.yaml"
     p.write_text(text)
     return p

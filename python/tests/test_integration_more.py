@@ -89,7 +89,7 @@ def test_a_trainer_that_reallocates_registers_again_and_engines_get_the_new_memo
     assert any(x["bytes"] > 0 for t in trainers for x in t["publish"][1:])
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "partial"])
 def test_an_asynchronous_job_trains_within_its_policy_lag_and_engines_hold_each_version_exactly(
     rlplane_bin: str, tmp_path: Path, mode: str
 ) -> None:
@@ -99,7 +99,10 @@ def test_an_asynchronous_job_trains_within_its_policy_lag_and_engines_hold_each_
     version; each engine holds exactly the bytes of the version it generates with. Direct
     registration: a refit into the engine's tensors waits for end_step, so none lands mid-step.
     Staged: the refit fills the staging buffers while the engine generates from the copy it took,
-    and it takes the newer one at its next step. The sample each engine labels with version 0 at
+    and it takes the newer one at its next step; taking it inside the step is refused. Partial
+    rollouts (spec.schedule.partialRollouts): the engine takes it inside the step, and the samples
+    it finishes afterwards carry the first and the last version (the bound applies to the first).
+    The sample each engine labels with version 0 at
     step 4 is dropped and counted, never trained on; every other sample is trained on once."""
     out = tmp_path / "reports"
     out.mkdir()
@@ -108,8 +111,8 @@ def test_an_asynchronous_job_trains_within_its_policy_lag_and_engines_hold_each_
     # still generate the step after it.
     m = manifest(tmp_path, launch(2, "exact_trainer.py", "--report", str(out), "--sleep-ms", "10,30"),
                  launch(1, "exact_engine.py", "--report", str(out), "--sleep-ms", "80,100", "--stale-at", "4",
-                        *(["--staged"] if mode == "staged" else [])),
-                 steps=steps, data=2, engines=engines, max_policy_lag=k)
+                        *([] if mode == "direct" else ["--staged", "--mid-step"])),
+                 steps=steps, data=2, engines=engines, max_policy_lag=k, partial_rollouts=mode == "partial")
     p = run_local(rlplane_bin, m, tmp_path, timeout=180)
     assert p.returncode == 0, failed(p)
     gens = reports(out, "engine")
@@ -125,21 +128,34 @@ def test_an_asynchronous_job_trains_within_its_policy_lag_and_engines_hold_each_
             assert all(s["held_after"] == s["held"] and s["bad_after"] == [] for s in g["steps"]), g["steps"]
         else:
             # Staged: the next version arrived while the engine generated from the one it took.
-            assert sum(s["held_after"] > s["held"] for s in g["steps"]) >= steps // 2, g["steps"]
+            newer = [s for s in g["steps"] if s["held_after"] > s["held"]]
+            assert len(newer) >= steps // 2, g["steps"]
+            if mode == "staged":
+                assert all("needs spec.schedule.partialRollouts" in s["mid_refused"] for s in newer), newer
+            else:
+                assert all(s["mid_take"] == s["held_after"] and s["bad_mid"] == [] for s in newer), newer
     # Generation ran ahead: from step 2 on, each step is generated while the trainer trains the
     # step before, with weights at least a version old.
     assert all(s["held"] <= max(0, s["step"] - 2) for g in gens for s in g["steps"]), gens
     trainers = reports(out, "trainer")
     per_step: dict[int, list[str]] = {}
+    mixed = 0  # samples whose tokens span two versions
     for t in trainers:
         assert t.get("done") and [b["step"] for b in t["batches"]] == list(range(1, steps + 1)), t
         for b in t["batches"]:
             lags = [b["step"] - 1 - int(v) for v in b["versions"]]
             assert len(lags) == b["samples"] and all(0 <= lag <= k for lag in lags), (b["step"], b["versions"])
+            last = [None if v is None else int(v) for v in b["versions_last"]]
+            if mode == "partial":
+                assert all(x is not None and x >= int(v) for x, v in zip(last, b["versions"])), b
+            else:
+                assert last == [None] * b["samples"], b
+            mixed += sum(x is not None and x > int(v) for x, v in zip(last, b["versions"]))
             per_step.setdefault(b["step"], []).extend(b["keys"])
     for step, keys in per_step.items():
         assert len(keys) == len(set(keys)) == 2 * engines, (step, keys)  # every sample once, no stale one
         assert not any(key.startswith("stale-") for key in keys), keys
+    assert (mixed > 0) == (mode == "partial"), mixed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["summary"]["stale_dropped"] == engines, summary["summary"]
     assert summary["summary"]["policy_lag_max"] == k and summary["summary"]["max_policy_lag"] == k

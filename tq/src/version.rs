@@ -7,8 +7,13 @@
 
 use crate::column::{BatchMeta, SampleRef};
 
-/// The tag naming the policy version that generated a sample (a decimal integer).
+/// The tag naming the policy version that generated a sample (a decimal integer); with partial
+/// rollouts, the first (oldest) version among its tokens, which the lag bound applies to.
 pub const POLICY_VERSION_TAG: &str = "policy_version";
+
+/// With partial rollouts (`spec.schedule.partialRollouts`): the last (newest) version among a
+/// sample's tokens, when the engine took newer weights while generating it.
+pub const POLICY_VERSION_LAST_TAG: &str = "policy_version_last";
 
 /// The `(tag, value)` pair that marks a sample as generated with weights of `version`.
 pub fn tag(version: u64) -> (String, String) {

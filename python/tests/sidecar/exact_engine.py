@@ -70,6 +70,9 @@ def main() -> int:
     ap.add_argument("--staged", action="store_true",
                     help="register staged: refit fills the sidecar's buffers and the engine copies them into its own "
                          "arrays at each step's start (what it generates with)")
+    ap.add_argument("--mid-step", action="store_true",
+                    help="staged: after the step's first sample, take newer staged weights if any have arrived "
+                         "(partial rollouts), or record the refusal")
     ap.add_argument("--device", default="cpu", help="cuda: register CUDA tensors (direct mode), read back to check")
     args = ap.parse_args()
     report: dict = {"steps": []}
@@ -115,10 +118,26 @@ def main() -> int:
             entry["held_after"] = e.version().version
             if staging is None:
                 entry["bad_after"] = check(views, weights, held or 0)
-            e.put(step, {
+            columns = {
                 "input_ids": [np.arange(4, dtype=np.int64) + 1000 * step.step + k for k in range(n)],
                 "reward": np.full(n, float(step.step), np.float32),
-            })
+            }
+            if args.mid_step and staging is not None:
+                # The first sample is done with `held`; the second continues with newer weights
+                # if they arrived meanwhile, as an engine with partial rollouts does.
+                e.put(step, {k: v[:1] for k, v in columns.items()}, keys=[f"s{step.step}-{report['rank']}-a"])
+                if entry["held_after"] is not None and entry["held_after"] > held:
+                    try:
+                        with e.staged(entry["held_after"], timeout=30) as newer:
+                            for name, v in staging.items():
+                                np.copyto(views[name], v)
+                        entry["mid_take"] = newer
+                        entry["bad_mid"] = check(views, weights, newer)
+                    except rlplane.StateError as err:
+                        entry["mid_refused"] = str(err)
+                e.put(step, {k: v[1:] for k, v in columns.items()}, keys=[f"s{step.step}-{report['rank']}-b"])
+            else:
+                e.put(step, columns)
             if step.step == args.stale_at:
                 e.put(step, {"input_ids": [np.arange(4, dtype=np.int64)], "reward": np.zeros(1, np.float32)},
                       keys=[f"stale-s{step.step}-{report['rank']}"], tags=[{"policy_version": "0"}])

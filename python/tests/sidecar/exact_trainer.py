@@ -94,7 +94,8 @@ def main() -> int:
         for batch in t.batches():
             tags = [dict(map(tuple, t)) for t in (batch.tags or [])]
             report["batches"].append({"step": batch.step, "samples": batch.samples, "keys": list(batch.keys),
-                                      "versions": [t.get("policy_version") for t in tags]})
+                                      "versions": [t.get("policy_version") for t in tags],
+                                      "versions_last": [t.get("policy_version_last") for t in tags]})
             if args.sleep_ms:
                 lo, hi = (int(x) for x in args.sleep_ms.split(","))
                 time.sleep(random.Random(f"{report['rank']}-{batch.step}").uniform(lo, hi) / 1000)

@@ -283,6 +283,9 @@ struct State {
     /// Staged registration: the version the engine last took from the staging buffers (what it
     /// generates with).
     taken: Option<u64>,
+    /// Staged registration: the version the engine first took in the step under way (the
+    /// oldest its rollouts can hold, with partial rollouts).
+    step_first: Option<u64>,
     /// The oldest version the step under way may be generated with.
     min_version: u64,
     /// A refit is writing into the engine's own registered tensors: no step may start.

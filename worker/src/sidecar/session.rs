@@ -403,6 +403,7 @@ impl Session {
             .wait_session(None, |s| match s.step {
                 Some((step, false)) if !s.writing => {
                     s.step = Some((step, true));
+                    s.step_first = None;
                     Some(Some((step, s.held.current())))
                 }
                 _ => s.done.then_some(None),
@@ -432,18 +433,19 @@ impl Session {
     /// The version the engine generates step `step` with: the staged version it last took, or
     /// the one refit wrote into its own tensors. Refused when older than the step allows
     /// (`spec.schedule.maxPolicyLag`): a staged engine must take newer weights first.
-    fn generating_version(&self, step: u32) -> Result<Option<u64>, ApiError> {
-        let (version, min) = self.local_api.peek(|s| {
+    fn generating_version(&self, step: u32) -> Result<(Option<u64>, Option<u64>), ApiError> {
+        let (first, last, min) = self.local_api.peek(|s| {
             let staged = s.registered.is_some_and(|(_, staged)| staged);
-            let version = if staged { s.taken } else { s.held.current() };
-            (version, s.min_version)
+            let last = if staged { s.taken } else { s.held.current() };
+            let first = if staged { s.step_first.or(s.taken) } else { last };
+            (first, last, s.min_version)
         });
-        match version {
+        match first {
             Some(v) if v < min => Err(state(format!(
                 "step {step} must be generated with weights of version {min} or newer, and this engine last took \
                  version {v}: take the staged weights first (engine.staged(step.version))"
             ))),
-            v => Ok(v),
+            _ => Ok((first, last)),
         }
     }
 
@@ -471,10 +473,25 @@ impl Session {
         let deadline = deadline_of(timeout_s)?;
         let held = self.wait_held(version, deadline).await?;
         let v = held.current().unwrap_or(version);
+        let partial = self.local_api.info.plan.schedule.partial_rollouts;
         self.local_api.update(|s| {
+            let under_way = matches!(s.step, Some((st, true)) if s.ended != Some(st));
+            match s.step_first {
+                // A step's rollouts are under way with older weights: newer ones inside the step
+                // are partial rollouts.
+                Some(first) if under_way && v != first && !partial => {
+                    return Err(state(format!(
+                        "the staged weights are version {v} now, and this step's rollouts began with version {first}: \
+                     taking them inside a step needs spec.schedule.partialRollouts; take them after end_step"
+                    )));
+                }
+                None if under_way => s.step_first = Some(v),
+                _ => {}
+            }
             s.lent = Some(v);
             s.taken = Some(v);
-        });
+            Ok(())
+        })?;
         Ok(json!({"ok": true, "version": v}))
     }
 
@@ -713,7 +730,9 @@ impl Session {
         if !tags.is_empty() && tags.len() != n {
             return Err(invalid(format!("tags: {} tag lists for {n} samples", tags.len())));
         }
-        let tags = with_policy_version(tags, n, self.generating_version(step)?)?;
+        let (first, last) = self.generating_version(step)?;
+        let partial = self.local_api.info.plan.schedule.partial_rollouts;
+        let tags = with_policy_version(tags, n, first, last.filter(|_| partial))?;
         let token_total: u64 = match &tokens {
             Some(t) => t.iter().map(|&x| x as u64).sum(),
             None => cols.iter().filter(|c| c.spec().ragged).map(|c| c.offsets()[n]).max().unwrap_or(n as u64),
@@ -741,8 +760,9 @@ fn with_policy_version(
     mut tags: Vec<Vec<(String, String)>>,
     n: usize,
     held: Option<u64>,
+    last: Option<u64>,
 ) -> Result<Vec<Vec<(String, String)>>, ApiError> {
-    use crate::tq::version::POLICY_VERSION_TAG;
+    use crate::tq::version::{POLICY_VERSION_LAST_TAG, POLICY_VERSION_TAG};
     let Some(held) = held else { return Ok(tags) };
     if tags.is_empty() {
         tags = vec![Vec::new(); n];
@@ -756,6 +776,11 @@ fn with_policy_version(
             }
             Some(_) => {}
             None => list.push(crate::tq::version::tag(held)),
+        }
+        if let Some(last) = last
+            && !list.iter().any(|(k, _)| k == POLICY_VERSION_LAST_TAG)
+        {
+            list.push((POLICY_VERSION_LAST_TAG.to_string(), last.to_string()));
         }
     }
     Ok(tags)
