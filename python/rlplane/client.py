@@ -562,6 +562,15 @@ class Engine(Client):
         """
         return _version_info(self._call("wait_version", version=int(version), **_timeout_fields(timeout)))
 
+    def newer_weights(self, than: int | None) -> int | None:
+        """The version of weights newer than ``than`` that are ready to take, or None: "new weights
+        are ready, take them now". Registered staged, they are in the staging buffers (take them
+        with :meth:`staged`: at the next step's start, or inside a step when the job allows partial
+        rollouts, ``spec.schedule.partialRollouts``); registered direct, refit has written them
+        already (between steps). Never waits."""
+        held = self.version().version
+        return held if held is not None and (than is None or held > than) else None
+
     def acquire_staged(self, version: int, timeout: float | None = 60.0) -> int:
         """Waits until the staging buffers hold ``version`` (or later) and lends them to this
         process; returns the version they hold. The next refit waits for :meth:`release_staged`."""

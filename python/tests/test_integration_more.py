@@ -133,7 +133,7 @@ def test_an_asynchronous_job_trains_within_its_policy_lag_and_engines_hold_each_
             if mode == "staged":
                 assert all("needs spec.schedule.partialRollouts" in s["mid_refused"] for s in newer), newer
             else:
-                assert all(s["mid_take"] == s["held_after"] and s["bad_mid"] == [] for s in newer), newer
+                assert all(s["mid_take"] >= s["held_after"] and s["bad_mid"] == [] for s in newer), newer
     # Generation ran ahead: from step 2 on, each step is generated while the trainer trains the
     # step before, with weights at least a version old.
     assert all(s["held"] <= max(0, s["step"] - 2) for g in gens for s in g["steps"]), gens

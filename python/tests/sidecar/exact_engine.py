@@ -126,9 +126,10 @@ def main() -> int:
                 # The first sample is done with `held`; the second continues with newer weights
                 # if they arrived meanwhile, as an engine with partial rollouts does.
                 e.put(step, {k: v[:1] for k, v in columns.items()}, keys=[f"s{step.step}-{report['rank']}-a"])
-                if entry["held_after"] is not None and entry["held_after"] > held:
+                ready = e.newer_weights(than=held)
+                if ready is not None:
                     try:
-                        with e.staged(entry["held_after"], timeout=30) as newer:
+                        with e.staged(ready, timeout=30) as newer:
                             for name, v in staging.items():
                                 np.copyto(views[name], v)
                         entry["mid_take"] = newer
