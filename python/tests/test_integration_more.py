@@ -161,6 +161,28 @@ def test_an_asynchronous_job_trains_within_its_policy_lag_and_engines_hold_each_
     assert summary["summary"]["policy_lag_max"] == k and summary["summary"]["max_policy_lag"] == k
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+def test_an_asynchronous_tensor_parallel_engine_registered_direct_is_refused_naming_the_fix(
+    rlplane_bin: str, tmp_path: Path, lag: int
+) -> None:
+    """In an asynchronous job refits arrive while the engine generates; only an engine's rank 0
+    sees its steps, so a direct registration on another rank could have its tensors written in the
+    middle of rank 0's forward pass. The rank refuses it, saying to register staged; the same
+    engine runs a synchronous job (refits come between its steps)."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    m = manifest(tmp_path, launch(2, "exact_trainer.py", "--report", str(out)),
+                 launch(2, "tp_direct_engine.py"),
+                 steps=2, data=2, engines=1, gen_tp=2, gen_gpus_per_node=2, max_policy_lag=lag or None)
+    p = run_local(rlplane_bin, m, tmp_path, timeout=120)
+    if lag == 0:
+        assert p.returncode == 0, failed(p)
+        return
+    assert p.returncode != 0, failed(p)
+    # The refusing rank says why (which failure the run names first is a race between the ranks).
+    assert "registered its weights direct" in p.stderr and "register staged" in p.stderr, p.stderr[-4000:]
+
+
 # An explicit model for tensor parallelism: default Rows (embed), Columns on 2-D (f32 and bf16) and
 # 3-D tensors, a replicated vector (the default for 1-D) and an explicitly replicated matrix.
 TP_MODEL: list[dict[str, Any]] = [

@@ -51,6 +51,8 @@ struct Refitter {
     user: Option<LocalApi>,
     timeout: std::time::Duration,
     received: watch::Sender<Option<u64>>,
+    /// Whether this rank is its engine's producer (its rank 0, where steps run).
+    producer: bool,
 }
 
 /// A generation rank that runs its commands in order: a refit waits for the step being
@@ -133,7 +135,17 @@ pub async fn run(
         timeout,
         received,
     };
-    let refitter = Refitter { plan: shared, plans, receiver, weights, metrics, user, timeout, received: received_tx };
+    let refitter = Refitter {
+        plan: shared,
+        plans,
+        receiver,
+        weights,
+        metrics,
+        user,
+        timeout,
+        received: received_tx,
+        producer: coords.producer,
+    };
     let r = if receives_while_generating(plan) {
         super::lanes::serve_two_lanes(&mut control, producer, refitter, is_refit, &plan.job.token).await
     } else {
@@ -319,6 +331,14 @@ impl Refitter {
         let _writing = if local_api.staged() {
             local_api.wait_staging_free(deadline).await?;
             None
+        } else if !self.producer && receives_while_generating(&self.plan) {
+            // Only the producer rank sees the engine's steps; this rank's tensors could be
+            // written while rank 0's step runs on them.
+            anyhow::bail!(
+                "this rank of a tensor-parallel engine (not its rank 0) registered its weights direct, and in an \
+                 asynchronous job (spec.schedule) refits arrive while the engine generates: register staged \
+                 (engine.register_staged(), as rlplane.vllm does) and take each version between steps"
+            );
         } else {
             local_api.begin_direct_refit(deadline).await?;
             Some(DirectRefit(local_api))
