@@ -9,6 +9,9 @@
 //! ```text
 //! RLPLANE_SOAK_STEPS=2000 cargo test -p rlplane --locked --test soak -- --nocapture
 //! ```
+//!
+//! `RLPLANE_SOAK_MAX_POLICY_LAG=K` runs the same job asynchronously (`--max-policy-lag K`): the
+//! engines' two command lanes, up to K + 1 steps of rollouts in the transfer queue.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -228,10 +231,12 @@ fn table(verdicts: &[Verdict], steps: u32, took: Duration) -> String {
 
 /// Runs the job, sampling every process until the runner exits.
 fn run_sampled(steps: u32) -> (ExitStatus, BTreeMap<String, Vec<Sample>>, Vec<String>, String, Duration) {
+    let lag = std::env::var("RLPLANE_SOAK_MAX_POLICY_LAG").ok();
     let mut child = Command::new(bin())
         .arg("local")
         .arg(repo("manifests/rljob-cpu.yaml"))
         .args(["--steps", &steps.to_string()])
+        .args(lag.iter().flat_map(|k| ["--max-policy-lag", k.as_str()]))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
