@@ -95,8 +95,10 @@ fn run_once(manifest: &Path, k: u32, steps: Option<u32>, scratch: &Path) -> anyh
 /// Runs the benchmark.
 pub fn run(args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
+    // Lag 0 first (the reference), then each other lag once, in order.
     let mut lags = vec![0u32];
     lags.extend(args.lags.iter().copied().filter(|&k| k > 0));
+    lags[1..].sort_unstable();
     lags.dedup();
     if let Some(&k) = lags.iter().find(|&&k| k > rlplane_api::MAX_POLICY_LAG) {
         anyhow::bail!("--lags: {k} is more than spec.schedule.maxPolicyLag allows ({})", rlplane_api::MAX_POLICY_LAG);

@@ -294,6 +294,14 @@ struct State {
     files: Vec<PathBuf>,
 }
 
+impl State {
+    /// Whether the engine registered staged (refit fills the sidecar's buffers; the engine takes
+    /// them itself).
+    fn staged(&self) -> bool {
+        self.registered.is_some_and(|(_, staged)| staged)
+    }
+}
+
 struct Shared {
     state: Mutex<State>,
     changed: watch::Sender<u64>,
@@ -531,7 +539,7 @@ impl LocalApi {
 
     /// Whether the registration is staged.
     pub fn staged(&self) -> bool {
-        self.peek(|s| s.registered.is_some_and(|(_, staged)| staged))
+        self.peek(State::staged)
     }
 
     /// The job ended: pending calls answer `done`. Waits up to `grace` for the user process to

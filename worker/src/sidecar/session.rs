@@ -435,9 +435,8 @@ impl Session {
     /// (`spec.schedule.maxPolicyLag`): a staged engine must take newer weights first.
     fn generating_version(&self, step: u32) -> Result<(Option<u64>, Option<u64>), ApiError> {
         let (first, last, min) = self.local_api.peek(|s| {
-            let staged = s.registered.is_some_and(|(_, staged)| staged);
-            let last = if staged { s.taken } else { s.held.current() };
-            let first = if staged { s.step_first.or(s.taken) } else { last };
+            let last = if s.staged() { s.taken } else { s.held.current() };
+            let first = if s.staged() { s.step_first.or(s.taken) } else { last };
             (first, last, s.min_version)
         });
         match first {
