@@ -96,9 +96,24 @@ pub fn plan_config_map_name(job: &str) -> String {
     format!("{job}-plan")
 }
 
-/// Name of a pod: `<job>-trainer-<i>`, `<job>-gen-<i>`, `<job>-tq-<i>`.
-pub fn pod_name(job: &str, role: PodRole, index: u32) -> String {
-    format!("{job}-{}-{index}", role.short())
+/// Longest pod name: the pod's hostname, a DNS label.
+const MAX_POD_NAME_LEN: usize = 63;
+
+/// Name of a pod of epoch `epoch`: `<job>-trainer-<i>`, `<job>-gen-<i>`, `<job>-tq-<i>` in the
+/// first epoch, with `-e<epoch>` after it in later ones. Each epoch's pods have names of their
+/// own, so a new gang is created while the previous one terminates instead of after it (a
+/// restart waits for neither the old pods' deletion nor their names); the name is also the
+/// pod's DNS name, so old and new pods never answer to the same one. A suffix that would not fit
+/// a DNS label keeps the epoch's last digits (at least eight remain for the longest job name
+/// and index): only pods that exist at the same time need distinct names.
+pub fn pod_name(job: &str, role: PodRole, index: u32, epoch: u32) -> String {
+    let base = format!("{job}-{}-{index}", role.short());
+    if epoch == 0 {
+        return base;
+    }
+    let digits = epoch.to_string();
+    let room = MAX_POD_NAME_LEN.saturating_sub(base.len() + 2).max(1);
+    format!("{base}-e{}", &digits[digits.len().saturating_sub(room)..])
 }
 
 /// The transport of one refit group: `spec.refit.transport`, or for `Auto` what was measured
@@ -171,7 +186,7 @@ fn colocated_refit_groups(l: &ColocatedLayout) -> Option<Vec<ColocatedGroup>> {
 /// Builds the plan of a job epoch. Validates the spec first and returns every error.
 pub fn build_plan(spec: &RLJobSpec, id: &JobIdentity, addr: &dyn Addressing) -> Result<WorkerPlan, ValidationErrors> {
     validate(spec)?;
-    let pods = pods(spec, &id.name, addr);
+    let pods = pods(spec, &id.name, id.epoch, addr);
     let senders = refit_senders(spec);
     let processes = Processes::lay_out(spec, addr, &pods, &senders.is_sender);
     let refit_groups = refit_groups(spec, addr, &pods, &processes, &senders);
@@ -238,13 +253,13 @@ fn layout(spec: &RLJobSpec) -> Layout {
 
 /// The job's pods, in order: trainer pods, then generation pods (Split mode), then storage pods
 /// (Dedicated placement).
-fn pods(spec: &RLJobSpec, job: &str, addr: &dyn Addressing) -> Vec<PodEntry> {
+fn pods(spec: &RLJobSpec, job: &str, epoch: u32, addr: &dyn Addressing) -> Vec<PodEntry> {
     let t = &spec.trainer;
     let g = &spec.generation;
     let gpu = spec.device == Device::Gpu;
     let mut pods = Vec::new();
     let mut add_pod = |role: PodRole, index: u32, gpus: u32| {
-        let name = pod_name(job, role, index);
+        let name = pod_name(job, role, index, epoch);
         pods.push(PodEntry {
             host: addr.host(&name),
             bind_host: addr.bind_host(&name),

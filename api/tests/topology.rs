@@ -112,6 +112,42 @@ fn pod_counts_and_names() {
 }
 
 #[test]
+fn each_epoch_names_its_pods_apart_from_the_previous_one() {
+    let spec = spec_of(layouts()[0]);
+    let a = ClusterAddressing { job: "job".into(), namespace: "ns".into() };
+    let names = |e| build_plan(&spec, &id(e), &a).unwrap().pods.into_iter().map(|p| p.name).collect::<Vec<_>>();
+    assert_eq!(names(0)[0], "job-trainer-0", "the first epoch keeps the plain names");
+    assert_eq!(names(1)[0], "job-trainer-0-e1");
+    assert_eq!(names(12)[0], "job-trainer-0-e12");
+    for e in 0..3 {
+        let (now, next): (HashSet<_>, HashSet<_>) =
+            (names(e).into_iter().collect(), names(e + 1).into_iter().collect());
+        assert!(now.is_disjoint(&next), "epoch {e} and {} share a pod name", e + 1);
+    }
+    let p = build_plan(&spec, &id(7), &a).unwrap();
+    assert!(
+        p.pods.iter().all(|x| x.host == format!("{}.job-headless.ns.svc", x.name)),
+        "the DNS name follows the epoch"
+    );
+}
+
+#[test]
+fn pod_names_stay_dns_labels_at_the_longest_job_name_index_and_epoch() {
+    use rlplane_api::topology::pod_name;
+    let job = "j".repeat(MAX_JOB_NAME_LEN);
+    for (role, index) in [(PodRole::Trainer, 1023), (PodRole::Generation, 262_143), (PodRole::Storage, 4095)] {
+        for epoch in [0, 1, 99_999_999, u32::MAX] {
+            let n = pod_name(&job, role, index, epoch);
+            assert!(n.len() <= 63, "{n} has {} characters", n.len());
+            let suffix = n.rsplit_once("-e").map(|(_, d)| d.len()).unwrap_or(0);
+            let wanted = epoch.to_string().len().min(8);
+            assert!(epoch == 0 || suffix >= wanted, "{n}: at least the epoch's last eight digits");
+        }
+    }
+    assert_eq!(pod_name(&job, PodRole::Trainer, 1023, 99_999_999).len(), 63);
+}
+
+#[test]
 fn ranks_are_unique_contiguous_and_on_valid_gpus() {
     for l in layouts() {
         let p = plan_of(l);

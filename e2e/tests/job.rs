@@ -252,9 +252,19 @@ async fn stale_rank(c: &Cluster, old_plan: &Path, old_key: &Path, pod: &str) -> 
         .find(|p| p.pod as usize == pod_index)
         .map(|p| p.name.clone())
         .context("the pod runs a process")?;
-    // An address of its own (the new pod of the same name holds the old one's), its own socket
-    // directory, and its epoch's key where the plan says the key is mounted.
+    // An address of its own, its own socket directory, and its epoch's key where the plan says
+    // the key is mounted. Its peers' names are the old epoch's, which no longer resolve: point
+    // them at the new gang's pods of the same role and index (a stale DNS cache, or addresses
+    // reused), so that its handshake reaches the new coordinator.
     let mut at = c.outsider_placement(pod).await?;
+    let new_epoch = plan.job.epoch + 1;
+    for p in &plan.pods {
+        let new_name = rlplane_api::topology::pod_name(&plan.job.name, p.role, p.index, new_epoch);
+        let new_host = p.host.replacen(&p.name, &new_name, 1);
+        if let Some(address) = at.addresses.get(&new_host).cloned() {
+            at.addresses.insert(p.host.clone(), address);
+        }
+    }
     let ipc = c.dir.join("stale-ipc");
     std::fs::create_dir_all(&ipc)?;
     at.mounts = vec![(plan.pods[pod_index].ipc_dir.clone(), ipc), (plan.job.key_file.clone(), old_key.to_path_buf())];

@@ -284,11 +284,11 @@ async fn faults(client: &Client, ns: &str, node: &RealNode, client_image: &str) 
 
     // 2. A worker pod of the next epoch deleted.
     let at = until("epoch 1 running", RUN, reached(1, Some(at.3))).await?;
-    let gen0 = pods.get("real-faults-gen-0").await?;
+    let gen0 = pods.get("real-faults-gen-0-e1").await?;
     let epoch = gen0.labels().get("rlplane.dev/epoch").cloned();
     assert_eq!(epoch.as_deref(), Some("1"), "the pod to delete is epoch 1's");
-    ok("kubectl delete pod", kubectl(&["delete", "pod", "-n", ns, "real-faults-gen-0", "--wait=false"])?)?;
-    println!("faults: at step {} of epoch 1 the pod real-faults-gen-0 was deleted", at.3);
+    ok("kubectl delete pod", kubectl(&["delete", "pod", "-n", ns, "real-faults-gen-0-e1", "--wait=false"])?)?;
+    println!("faults: at step {} of epoch 1 the pod real-faults-gen-0-e1 was deleted", at.3);
 
     // 3. The operator's leader killed while it restarts the gang.
     let leader_now = until("a leader", Duration::from_secs(30), || leader(client, ns)).await?;

@@ -26,7 +26,8 @@ pub const ALL: [&str; 7] = [PODS_CREATED, PODS_READY, RUNNING, RESTARTING, SUSPE
 pub mod reasons {
     /// PodsCreated=True: the epoch's pods were created.
     pub const PODS_CREATED: &str = "PodsCreated";
-    /// PodsCreated=False: pods of an earlier epoch must go before their names can be reused.
+    /// PodsCreated=False: pods of an earlier epoch in the way (holding a new pod's name, or any
+    /// under a gang scheduler) must go before the new gang is created.
     pub const WAITING_FOR_OLD_PODS: &str = "WaitingForOldPods";
     /// PodsCreated=False: creating the pods or the objects they need failed (see the message).
     pub const CREATE_FAILED: &str = "CreateFailed";

@@ -575,11 +575,11 @@ impl<'a> Draft<'a> {
             .filter(|p| p.epoch != Some(epoch) && !p.terminating)
             .map(|p| PodRef { name: p.name.clone(), uid: p.uid.clone() })
             .collect();
-        let old_left = self.observed.iter().filter(|p| p.epoch != Some(epoch)).count();
+        let in_the_way = self.old_pods_in_the_way(epoch, desired);
 
         let mut requeue = RESYNC;
-        if !created && old_left > 0 {
-            self.wait_for_old_pods(old_left, resumed);
+        if !created && in_the_way > 0 {
+            self.wait_for_old_pods(in_the_way, resumed);
             requeue = WAIT_FOR_PODS;
         } else if !created {
             self.create_pods(epoch, desired, current, resumed);
@@ -595,9 +595,20 @@ impl<'a> Draft<'a> {
         self.finish(Some(requeue))
     }
 
-    /// Pod names are the same in every epoch: the new pods can only be created once the
-    /// `old_left` pods of an earlier epoch are gone. Until then the job is Pending (or still
-    /// Restarting).
+    /// How many pods of earlier epochs must be gone before this epoch's pods are created. Each
+    /// epoch names its pods apart (`topology::pod_name`), so the new gang is normally created
+    /// while the old one terminates: its sandboxes and containers start during the old pods'
+    /// grace period instead of after it. Two cases still wait: a pod that holds one of the new
+    /// names, and a gang scheduler's PodGroup, which is one per job and would count the
+    /// terminating members of the old gang as members of the new one.
+    fn old_pods_in_the_way(&self, epoch: u32, desired: &Desired) -> usize {
+        let grouped = self.job.spec.scheduling.gang != GangScheduler::None;
+        let names: Vec<&str> = desired.pods.iter().filter_map(|p| p.metadata.name.as_deref()).collect();
+        self.observed.iter().filter(|p| p.epoch != Some(epoch) && (grouped || names.contains(&p.name.as_str()))).count()
+    }
+
+    /// The new pods are created once the `old_left` pods of an earlier epoch in their way are
+    /// gone ([`Self::old_pods_in_the_way`]). Until then the job is Pending (or still Restarting).
     fn wait_for_old_pods(&mut self, old_left: usize, resumed: bool) {
         self.st.phase = if self.old.phase == Phase::Restarting { Phase::Restarting } else { Phase::Pending };
         self.set(

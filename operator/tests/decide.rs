@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use rlplane_api::{CheckpointRef, LastRefit, Phase, RLJob, RLJobStatus, RoleCounts, load_rljob};
+use rlplane_api::{CheckpointRef, GangScheduler, LastRefit, Phase, RLJob, RLJobStatus, RoleCounts, load_rljob};
 use rlplane_operator::conditions::{self, reasons};
 use rlplane_operator::decide::{Decision, RESYNC, Step, WAIT_FOR_PODS, create_failed, decide};
 use rlplane_operator::desired::{OperatorConfig, labels};
@@ -104,8 +104,15 @@ impl Sim {
         self.pods.retain(|p| p.metadata.deletion_timestamp.is_none());
     }
 
+    /// The pod of the job's current epoch that the first epoch names `name` (later epochs add
+    /// `-e<epoch>`).
     fn pod(&mut self, name: &str) -> &mut Pod {
-        self.pods.iter_mut().find(|p| p.metadata.name.as_deref() == Some(name)).unwrap()
+        let epoch = self.job.status.as_ref().map_or(0, |s| s.epoch);
+        let name = if epoch == 0 { name.to_string() } else { format!("{name}-e{epoch}") };
+        self.pods
+            .iter_mut()
+            .find(|p| p.metadata.name.as_deref() == Some(&name))
+            .unwrap_or_else(|| panic!("no pod {name}"))
     }
 
     fn set_all_ready(&mut self) {
@@ -355,28 +362,29 @@ fn a_failed_pod_restarts_the_whole_gang_with_a_new_epoch() {
     assert!(ev.warning && ev.reason == "GangRestart" && ev.note.contains("grpo-cpu-gen-1"), "{ev:?}");
     assert_eq!(d.requeue_after, Some(WAIT_FOR_PODS));
 
-    // The old pods are terminating: nothing new is created under their names, and the
-    // terminating pods of epoch 0 are not failures of epoch 1.
+    // The old pods are terminating: the gang of epoch 1 is created beside them under names of
+    // its own, after the plan (and its token) of the new epoch; the terminating pods of epoch 0
+    // are not failures of epoch 1.
     sim.now = t(46);
     let d = sim.step();
-    assert_eq!(steps(&d), ["ApplyObjects", "WriteStatus"]);
-    assert_eq!(sim.status().phase, Phase::Restarting);
-    assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::WAITING_FOR_OLD_PODS);
-    assert_eq!(sim.condition(conditions::RESTARTING).0, "True", "still restarting, with its message");
+    assert_eq!(steps(&d), ["ApplyObjects", "CreatePods", "WriteStatus", "Publish"]);
     let Step::ApplyObjects(objects) = &d.steps[0] else { unreachable!() };
     assert_eq!(objects.plan.job.epoch, 1, "the plan (and its token) of the new epoch is in place first");
-    assert_eq!(d.requeue_after, Some(WAIT_FOR_PODS));
-
-    // Once they are gone, the gang of epoch 1 is created.
-    sim.kubelet_gc();
-    sim.now = t(50);
-    let d = sim.step();
-    assert_eq!(steps(&d), ["ApplyObjects", "CreatePods", "WriteStatus", "Publish"]);
-    assert!(sim.pods.iter().all(|p| p.metadata.labels.as_ref().unwrap()[labels::EPOCH] == "1"));
+    assert_eq!(pod_names(&d), ["grpo-cpu-trainer-0-e1", "grpo-cpu-gen-0-e1", "grpo-cpu-gen-1-e1"]);
+    assert_eq!(sim.pods.len(), 6, "three terminating, three new");
     let st = sim.status();
     assert_eq!((st.phase, st.epoch, st.restarts), (Phase::Starting, 1, 1));
     assert_eq!(st.start_time, Some(Time(t(0))), "the deadline counts from the job's start, not the epoch's");
     assert_eq!(sim.condition(conditions::RESTARTING).0, "False");
+    assert_eq!(sim.condition(conditions::RESTARTING).1, reasons::RESTARTED);
+
+    // The old pods go; nothing more is created.
+    sim.kubelet_gc();
+    sim.now = t(50);
+    let d = sim.step();
+    assert_eq!(steps(&d), ["ApplyObjects"]);
+    assert!(sim.pods.iter().all(|p| p.metadata.labels.as_ref().unwrap()[labels::EPOCH] == "1"));
+    assert_eq!(sim.status().phase, Phase::Starting);
     assert_eq!(sim.condition(conditions::RESTARTING).1, reasons::RESTARTED);
 }
 
@@ -408,7 +416,7 @@ fn exhausting_the_backoff_limit_fails_the_job_naming_the_pod_and_the_reason() {
     assert_eq!((status.as_str(), reason.as_str()), ("True", "BackoffLimitExceeded"));
     assert_eq!(
         message,
-        "pod grpo-cpu-gen-0: container rlplane-worker exited with code 137 (OOMKilled); backoffLimit 1 reached after 1 restarts"
+        "pod grpo-cpu-gen-0-e1: container rlplane-worker exited with code 137 (OOMKilled); backoffLimit 1 reached after 1 restarts"
     );
     assert!(d.events().next().unwrap().warning);
 
@@ -456,10 +464,11 @@ fn disruptions_do_not_burn_the_backoff_limit_and_have_a_limit_of_their_own() {
         let st = sim.status();
         assert_eq!((st.phase, st.restarts, st.counted_restarts, st.disruptions), (Phase::Restarting, n, 0, n));
         let message = sim.condition(conditions::RESTARTING).2;
+        let victim = if n == 1 { "grpo-cpu-gen-0".to_string() } else { format!("grpo-cpu-gen-0-e{}", n - 1) };
         assert_eq!(
             message,
             format!(
-                "pod grpo-cpu-gen-0: disrupted (EvictionByEvictionAPI): Eviction API: evicting; gang restart with epoch {n}, a disruption: {n}/2 of disruptionLimit"
+                "pod {victim}: disrupted (EvictionByEvictionAPI): Eviction API: evicting; gang restart with epoch {n}, a disruption: {n}/2 of disruptionLimit"
             )
         );
         run_again(&mut sim);
@@ -532,7 +541,7 @@ fn failure_policy_rules_ignore_count_or_fail_the_job_and_say_which_rule() {
     assert_eq!((status.as_str(), reason.as_str()), ("True", reasons::FAILURE_POLICY));
     assert_eq!(
         message,
-        "pod grpo-cpu-gen-1: container rlplane-worker exited with code 42 (Error); the job fails (failurePolicy rule 0: FailJob)"
+        "pod grpo-cpu-gen-1-e2: container rlplane-worker exited with code 42 (Error); the job fails (failurePolicy rule 0: FailJob)"
     );
     assert!(d.events().any(|e| e.warning), "a Warning event");
 }
@@ -776,19 +785,48 @@ fn a_kueue_job_created_suspended_waits_without_creating_anything() {
 }
 
 #[test]
-fn resuming_while_old_pods_terminate_waits_in_pending() {
+fn resuming_while_old_pods_terminate_creates_the_new_gang_beside_them() {
     let mut sim = Sim::running(job("rljob-cpu.yaml"));
     sim.job.spec.run_policy.suspend = true;
     sim.step();
     sim.job.spec.run_policy.suspend = false;
     let d = sim.step();
-    assert_eq!(sim.status().phase, Phase::Pending);
-    assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::WAITING_FOR_OLD_PODS);
-    assert_eq!(event_reasons(&d), ["Resumed"]);
-    assert!(!steps(&d).contains(&"CreatePods"));
-    sim.kubelet_gc();
-    sim.step();
     assert_eq!(sim.status().phase, Phase::Starting);
+    assert_eq!(event_reasons(&d), ["Resumed", "PodsCreated"]);
+    assert_eq!(pod_names(&d), ["grpo-cpu-trainer-0-e1", "grpo-cpu-gen-0-e1", "grpo-cpu-gen-1-e1"]);
+}
+
+#[test]
+fn under_a_gang_scheduler_the_new_gang_waits_for_the_old_one_in_pending() {
+    // Its PodGroup is one per job: terminating pods of the old gang would count as members.
+    for gang in [GangScheduler::Volcano, GangScheduler::Coscheduling] {
+        let mut j = job("rljob-cpu.yaml");
+        j.spec.scheduling.gang = gang;
+        let mut sim = Sim::running(j);
+        sim.job.spec.run_policy.suspend = true;
+        sim.step();
+        sim.job.spec.run_policy.suspend = false;
+        let d = sim.step();
+        assert_eq!(sim.status().phase, Phase::Pending);
+        assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::WAITING_FOR_OLD_PODS);
+        assert_eq!(event_reasons(&d), ["Resumed"]);
+        assert!(!steps(&d).contains(&"CreatePods"));
+        sim.kubelet_gc();
+        sim.step();
+        assert_eq!(sim.status().phase, Phase::Starting);
+
+        // A failure, too: the restart creates nothing until the old gang is gone.
+        sim.set_all_ready();
+        sim.step();
+        fail_container(sim.pod("grpo-cpu-gen-0"), 1, "Error", 60);
+        sim.step();
+        let d = sim.step();
+        assert!(!steps(&d).contains(&"CreatePods"), "{gang:?}: {:?}", steps(&d));
+        assert_eq!(sim.condition(conditions::PODS_CREATED).1, reasons::WAITING_FOR_OLD_PODS);
+        sim.kubelet_gc();
+        let d = sim.step();
+        assert_eq!(pod_names(&d), ["grpo-cpu-trainer-0-e2", "grpo-cpu-gen-0-e2", "grpo-cpu-gen-1-e2"]);
+    }
 }
 
 #[test]

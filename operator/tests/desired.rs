@@ -149,14 +149,18 @@ fn user_templates_run_beside_the_worker_as_a_native_sidecar() {
 }
 
 #[test]
-fn epochs_change_tokens_and_labels_but_not_names() {
+fn epochs_change_tokens_labels_and_names() {
     let j = job("rljob-cpu-colocated.yaml");
     let a = desired(&j, 0, &cfg()).unwrap();
     let b = desired(&j, 1, &cfg()).unwrap();
     let names = |d: &rlplane_operator::desired::Desired| {
         d.pods.iter().map(|p| p.metadata.name.clone().unwrap()).collect::<Vec<_>>()
     };
-    assert_eq!(names(&a), names(&b));
+    assert_eq!(names(&a), ["grpo-cpu-colocated-trainer-0", "grpo-cpu-colocated-tq-0"]);
+    assert_eq!(names(&b), ["grpo-cpu-colocated-trainer-0-e1", "grpo-cpu-colocated-tq-0-e1"]);
+    let spec = b.pods[0].spec.as_ref().unwrap();
+    assert_eq!(spec.hostname.as_deref(), Some("grpo-cpu-colocated-trainer-0-e1"), "the DNS name is the epoch's");
+    assert_eq!(b.plan.pods[0].name, "grpo-cpu-colocated-trainer-0-e1");
     assert_ne!(a.plan.job.token, b.plan.job.token);
     assert_eq!(b.pods[0].metadata.labels.as_ref().unwrap()[labels::EPOCH], "1");
     // Pure: the same inputs give the same objects.

@@ -444,7 +444,7 @@ async fn a_failed_pod_restarts_the_gang_with_a_new_epoch() {
     assert!(m.contains("rlplane_operator_restarts_total{reason=\"ContainerFailed\"} 1"), "{m}");
     assert!(m.contains("rlplane_operator_restarts_total{reason=\"PodEvicted\"} 0"), "{m}");
 
-    // The next reconcile recreates the gang at epoch 1 once the old pods are gone.
+    // The next reconcile creates the gang of epoch 1 under its own names.
     let (ctx, mut api, _) = context(t(70));
     let restarting = with_status(j.clone(), st);
     let task = spawn(&restarting, &ctx);
@@ -454,7 +454,7 @@ async fn a_failed_pod_restarts_the_gang_with_a_new_epoch() {
     let plan: Value = serde_json::from_str(objects[4]["data"]["plan.json"].as_str().unwrap()).unwrap();
     assert_eq!(plan["job"]["epoch"], 1, "the plan's token is the new epoch's");
     let created = api
-        .applies(&["trainer-0", "gen-0", "gen-1"].map(|p| format!("/api/v1/namespaces/{NS}/pods/grpo-cpu-{p}")))
+        .applies(&["trainer-0", "gen-0", "gen-1"].map(|p| format!("/api/v1/namespaces/{NS}/pods/grpo-cpu-{p}-e1")))
         .await;
     assert!(created.iter().all(|p| p["metadata"]["labels"][labels::EPOCH] == "1"));
     let st = api.write_status(&restarting).await;
@@ -548,7 +548,7 @@ async fn suspend_deletes_the_pods_and_resume_recreates_them() {
     api.list_pods(&resumed, &[]).await;
     api.apply_objects("grpo-cpu").await;
     let created = api
-        .applies(&["trainer-0", "gen-0", "gen-1"].map(|p| format!("/api/v1/namespaces/{NS}/pods/grpo-cpu-{p}")))
+        .applies(&["trainer-0", "gen-0", "gen-1"].map(|p| format!("/api/v1/namespaces/{NS}/pods/grpo-cpu-{p}-e1")))
         .await;
     assert!(created.iter().all(|p| p["metadata"]["labels"][labels::EPOCH] == "1"));
     let st = api.write_status(&resumed).await;
