@@ -288,6 +288,61 @@ pub fn build_controller(client: &Client, namespace: Option<&str>, concurrency: u
         .owns(api::<ServiceAccount>(client, namespace), children.clone())
         .owns(api::<Role>(client, namespace), children.clone())
         .owns(api::<RoleBinding>(client, namespace), children)
+        .trigger_backoff(TriggerBackoff::default())
         // Bursts (64 pods turning ready) collapse into few reconciles.
         .with_config(controller::Config::default().concurrency(concurrency).debounce(Duration::from_millis(100)))
+}
+
+/// The pause after an error of the controller's watches. They are merged into one stream under
+/// one backoff, so kube-runtime's default (0.8 s doubling to 30 s, reset only after 120 s without
+/// an error) adds up every watch's error: after an API server restart each of the seven watches
+/// answers its resumed watch with 410 Gone (a desync: it re-lists), and the fault campaign saw
+/// the operator blind for two minutes, a deleted pod's gang left unrestarted. Here the pause
+/// starts at 0.1 s, doubles to at most 5 s (an API server that stays down is asked a few times a
+/// second across all watches, no more), and resets at the first event that is no error.
+#[derive(Clone, Debug)]
+pub struct TriggerBackoff {
+    next: Duration,
+}
+
+impl TriggerBackoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(5);
+}
+
+impl Default for TriggerBackoff {
+    fn default() -> Self {
+        TriggerBackoff { next: TriggerBackoff::FIRST }
+    }
+}
+
+impl Iterator for TriggerBackoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        let now = self.next;
+        self.next = (now * 2).min(TriggerBackoff::MAX);
+        Some(now)
+    }
+}
+
+impl kube::runtime::utils::Backoff for TriggerBackoff {
+    fn reset(&mut self) {
+        self.next = TriggerBackoff::FIRST;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::utils::Backoff as _;
+
+    use super::*;
+
+    #[test]
+    fn the_trigger_backoff_doubles_to_five_seconds_and_resets_at_once() {
+        let mut b = TriggerBackoff::default();
+        let first: Vec<u64> = b.by_ref().take(8).map(|d| d.as_millis() as u64).collect();
+        assert_eq!(first, [100, 200, 400, 800, 1600, 3200, 5000, 5000]);
+        b.reset();
+        assert_eq!(b.next(), Some(Duration::from_millis(100)), "the first good event resets it");
+    }
 }
