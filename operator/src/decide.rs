@@ -539,9 +539,11 @@ impl<'a> Draft<'a> {
     }
 
     /// The gang failed: the earliest failure names the pod and what happened, and decides, by
-    /// the failure policy, whether the gang restarts or the job fails.
+    /// the failure policy, whether the gang restarts or the job fails. Times are whole seconds,
+    /// and the ranks that lose a killed peer fail within the same one: among failures of the
+    /// same second, one whose process was killed ([`PodFailure::killed`]) is named first.
     fn gang_failed(self, epoch: u32, mut failures: Vec<(String, PodFailure)>) -> Decision {
-        failures.sort_by(|a, b| (a.1.at.is_none(), a.1.at, &a.0).cmp(&(b.1.at.is_none(), b.1.at, &b.0)));
+        failures.sort_by_key(|(pod, f)| (f.at.is_none(), f.at, !f.killed(), pod.clone()));
         let (pod, first) = &failures[0];
         let more = match failures.len() - 1 {
             0 => String::new(),

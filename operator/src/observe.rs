@@ -55,6 +55,13 @@ pub struct PodFailure {
 }
 
 impl PodFailure {
+    /// Whether a process of the pod was killed (SIGKILL of a container, 137, or a rank the
+    /// worker saw killed by a signal) rather than failing on its own: the likelier cause when
+    /// several pods fail at once.
+    pub fn killed(&self) -> bool {
+        self.exit_codes.iter().any(|(_, c)| *c == 137) || self.detail.contains("was killed by signal")
+    }
+
     /// A disruption (eviction, preemption, drain, node shutdown) rather than a fault of the job.
     pub fn disruption(&self) -> bool {
         self.kind == FailureKind::PodEvicted

@@ -564,6 +564,41 @@ fn the_earliest_failure_is_named_as_the_cause() {
 }
 
 #[test]
+fn within_one_second_the_pod_whose_process_was_killed_is_named() {
+    let mut sim = Sim::running(job("rljob-cpu.yaml"));
+    // The coordinator (in trainer-0's pod) was killed; gen-0 lost its control channel in the
+    // same second, and its pod sorts first by name.
+    fail_container(sim.pod("grpo-cpu-gen-0"), 1, "Error", 40);
+    sim.pod("grpo-cpu-gen-0").status.as_mut().unwrap().container_statuses.as_mut().unwrap()[0]
+        .state
+        .as_mut()
+        .unwrap()
+        .terminated
+        .as_mut()
+        .unwrap()
+        .message =
+        Some("pod grpo-cpu-gen-0: gen-0 exited with code 1: the coordinator closed the control channel".into());
+    fail_container(sim.pod("grpo-cpu-trainer-0"), 1, "Error", 40);
+    sim.pod("grpo-cpu-trainer-0").status.as_mut().unwrap().container_statuses.as_mut().unwrap()[0]
+        .state
+        .as_mut()
+        .unwrap()
+        .terminated
+        .as_mut()
+        .unwrap()
+        .message = Some("pod grpo-cpu-trainer-0: coordinator (coordinator) was killed by signal 9".into());
+    sim.now = t(50);
+    sim.step();
+    let message = sim.condition(conditions::RESTARTING).2;
+    assert!(
+        message.starts_with(
+            "pod grpo-cpu-trainer-0: container rlplane-worker exited with code 1 (Error): pod grpo-cpu-trainer-0: coordinator (coordinator) was killed by signal 9 (and 1 more pod failed)"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
 fn every_kind_of_pod_failure_restarts_the_gang() {
     type Break = fn(&mut Pod);
     let cases: [(&str, Break, FailureKind); 5] = [

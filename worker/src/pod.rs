@@ -55,10 +55,50 @@ pub fn main(args: WorkerArgs) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            let text = format!("{e:#}");
+            eprintln!("error: {text}");
+            if args.process.is_none() {
+                write_termination_message(Path::new(TERMINATION_LOG), &text);
+            }
             ExitCode::FAILURE
         }
     }
+}
+
+/// Where the kubelet reads a container's termination message (`terminationMessagePath`'s
+/// default); the operator puts it in the Restarting or Failed condition and the GangRestart Event.
+const TERMINATION_LOG: &str = "/dev/termination-log";
+
+/// The most of the message kept: the operator's Event note holds 1 kB in all.
+const TERMINATION_MESSAGE_MAX: usize = 600;
+
+/// The pod's failure in one line for the kubelet's termination message: the first line (which
+/// rank failed and how) and the failing rank's own last error line, when its output had one.
+/// Nothing is written outside a container (no such file: `rlplane local`, tests).
+pub fn write_termination_message(path: &Path, error: &str) {
+    if !path.exists() {
+        return;
+    }
+    let _ = std::fs::write(path, termination_message(error));
+}
+
+fn termination_message(error: &str) -> String {
+    let mut lines = error.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or_default().trim_end_matches("; its last output:");
+    let cause = lines.filter_map(|l| l.strip_prefix("error: ")).next_back();
+    let mut text = match cause {
+        Some(c) => format!("{first}: {c}"),
+        None => first.to_string(),
+    };
+    if text.len() > TERMINATION_MESSAGE_MAX {
+        let mut end = TERMINATION_MESSAGE_MAX;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
 }
 
 /// Runs one process of the plan.
@@ -229,5 +269,35 @@ async fn serve_health(addr: SocketAddr, ready: Arc<AtomicBool>, metrics: Arc<cra
             let _ = axum::serve(l, app).await;
         }
         Err(e) => tracing::warn!(%addr, error = %e, "cannot serve health endpoints"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_termination_message_is_the_failure_and_the_ranks_own_last_error() {
+        let e = "pod job-trainer-0: coordinator (coordinator) exited with code 1; its last output:\n  \
+                 2026-11-28T12:00:00Z INFO step 39 done\n  \
+                 error: step 40: claimed 63 samples but the producers put 64";
+        assert_eq!(
+            termination_message(e),
+            "pod job-trainer-0: coordinator (coordinator) exited with code 1: step 40: claimed 63 samples but the producers put 64"
+        );
+        assert_eq!(termination_message("pod p: terminated (SIGTERM)"), "pod p: terminated (SIGTERM)");
+        let long = termination_message(&format!("pod p: {}", "é".repeat(1000)));
+        assert!(long.len() <= TERMINATION_MESSAGE_MAX + '…'.len_utf8() && long.ends_with('…'));
+    }
+
+    #[test]
+    fn the_message_goes_only_where_a_kubelet_made_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("termination-log");
+        write_termination_message(&missing, "pod p: failed");
+        assert!(!missing.exists(), "outside a container nothing is created");
+        std::fs::write(&missing, "").unwrap();
+        write_termination_message(&missing, "pod p: failed");
+        assert_eq!(std::fs::read_to_string(&missing).unwrap(), "pod p: failed");
     }
 }
