@@ -298,8 +298,9 @@ pub fn build_controller(client: &Client, namespace: Option<&str>, concurrency: u
 /// an error) adds up every watch's error: after an API server restart each of the seven watches
 /// answers its resumed watch with 410 Gone (a desync: it re-lists), and the fault campaign saw
 /// the operator blind for two minutes, a deleted pod's gang left unrestarted. Here the pause
-/// starts at 0.1 s, doubles to at most 5 s (an API server that stays down is asked a few times a
-/// second across all watches, no more), and resets at the first event that is no error.
+/// starts at 0.1 s, doubles to at most 1 s, and resets at the first event that is no error: while
+/// a restarted API server's caches fill, its watches keep failing in turn, and every failure
+/// pauses all of them. An API server that stays down is asked once a second, no more.
 #[derive(Clone, Debug)]
 pub struct TriggerBackoff {
     next: Duration,
@@ -307,7 +308,7 @@ pub struct TriggerBackoff {
 
 impl TriggerBackoff {
     const FIRST: Duration = Duration::from_millis(100);
-    const MAX: Duration = Duration::from_secs(5);
+    const MAX: Duration = Duration::from_secs(1);
 }
 
 impl Default for TriggerBackoff {
@@ -338,10 +339,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_trigger_backoff_doubles_to_five_seconds_and_resets_at_once() {
+    fn the_trigger_backoff_doubles_to_one_second_and_resets_at_once() {
         let mut b = TriggerBackoff::default();
-        let first: Vec<u64> = b.by_ref().take(8).map(|d| d.as_millis() as u64).collect();
-        assert_eq!(first, [100, 200, 400, 800, 1600, 3200, 5000, 5000]);
+        let first: Vec<u64> = b.by_ref().take(6).map(|d| d.as_millis() as u64).collect();
+        assert_eq!(first, [100, 200, 400, 800, 1000, 1000]);
         b.reset();
         assert_eq!(b.next(), Some(Duration::from_millis(100)), "the first good event resets it");
     }
