@@ -533,7 +533,16 @@ pub fn is_true(job: &RLJob, type_: &str) -> bool {
 
 /// The Events regarding the job.
 pub async fn job_events(env: &Env, job: &str) -> anyhow::Result<Vec<k8s_openapi::api::events::v1::Event>> {
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(env.client.clone(), &env.namespace);
+    job_events_in(&env.client, &env.namespace, job).await
+}
+
+/// The Events about RLJob `job` in namespace `ns`.
+pub async fn job_events_in(
+    client: &Client,
+    ns: &str,
+    job: &str,
+) -> anyhow::Result<Vec<k8s_openapi::api::events::v1::Event>> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
     Ok(events
         .list(&ListParams::default())
         .await?
@@ -546,7 +555,12 @@ pub async fn job_events(env: &Env, job: &str) -> anyhow::Result<Vec<k8s_openapi:
 /// The notes of the job's GangRestart Events (the Restarting condition says why only while the
 /// restart lasts; the Event stays).
 pub async fn gang_restart_events(env: &Env, job: &str) -> anyhow::Result<Vec<String>> {
-    Ok(job_events(env, job)
+    gang_restart_notes(&env.client, &env.namespace, job).await
+}
+
+/// The notes of the GangRestart Events of RLJob `job` in namespace `ns`.
+pub async fn gang_restart_notes(client: &Client, ns: &str, job: &str) -> anyhow::Result<Vec<String>> {
+    Ok(job_events_in(client, ns, job)
         .await?
         .into_iter()
         .filter(|e| e.reason.as_deref() == Some("GangRestart"))

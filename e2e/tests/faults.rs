@@ -1,10 +1,14 @@
-//! The fault campaign (issue 26): CPU jobs run on the real node (kubelet, containerd, CNI) while
+//! The fault campaign (issue 26): jobs run on the real node (kubelet, containerd, CNI) while
 //! faults of every kind below are injected, one at a time, each at a random moment of a stepping
 //! job — so at a random phase of its step (generation and puts, the claim, training, the refit)
-//! and, for the operator, in the middle of the reconcile that follows a gang restart:
+//! and, for the operator, in the middle of the reconcile that follows a gang restart. Two jobs
+//! run side by side: the synthetic CPU job (the worker's own ranks, a dedicated storage unit) and
+//! a job whose trainer and engine are the user's containers (the Python client's test scripts)
+//! with the worker as their native sidecar.
 //!
-//! - `kill -9` of one process of each role: a trainer rank, an engine, the coordinator, a storage
-//!   unit (found on this machine by its pod and process name);
+//! - `kill -9` of one process of each role (found on this machine by its pod and arguments): a
+//!   trainer rank, an engine, the coordinator, a storage unit; the user's trainer process, the
+//!   user's engine process, and the worker sidecar serving them;
 //! - a pod deleted through the API;
 //! - the operator killed (`kill -9`) right after a rank's death, then started again;
 //! - the API server, and etcd, killed and started again with their own command lines;
@@ -22,10 +26,11 @@
 //! does not succeed or any violation.
 //!
 //!   export KUBECONFIG=$(e2e/cluster/up)
-//!   RLPLANE_FAULTS=40 cargo test -p rlplane-e2e --test faults -- --nocapture
+//!   RLPLANE_FAULTS=39 cargo test -p rlplane-e2e --test faults -- --nocapture
 //!
-//! `RLPLANE_FAULTS` (default 10: each kind once, the short version CI runs) and
-//! `RLPLANE_FAULT_SEED` (default: the clock; printed) choose the campaign.
+//! `RLPLANE_FAULTS` (default 13: each kind once, the short version CI runs) and
+//! `RLPLANE_FAULT_SEED` (default: the clock; printed) choose the campaign;
+//! `RLPLANE_FAULT_KINDS=DeletePod,KillSidecar,…` replays a given order.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -33,8 +38,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams};
-use kube::{Client, ResourceExt};
 use rlplane_api::plan::ProcessRole;
 use rlplane_api::{Phase, RLJob, WorkerPlan};
 use rlplane_e2e::real_node::Setup;
@@ -670,7 +675,7 @@ impl Campaign {
             anyhow::ensure!(st.step == Some(steps), "{job}: every step of its last epoch: {:?} of {steps}", st.step);
             completed += 1;
             restarts += st.restarts;
-            for n in gang_restart_notes(&self.setup.client, &self.setup.namespace, job).await? {
+            for n in rlplane_e2e::gang_restart_notes(&self.setup.client, &self.setup.namespace, job).await? {
                 if !notes.contains(&n) {
                     notes.push(n);
                 }
@@ -756,20 +761,6 @@ fn claimed_vs_put(notes: &[String]) -> (usize, usize) {
         }
     }
     (lost, twice)
-}
-
-/// The notes of `job`'s GangRestart Events.
-async fn gang_restart_notes(client: &Client, ns: &str, job: &str) -> anyhow::Result<Vec<String>> {
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
-    Ok(events
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(job))
-        .filter(|e| e.reason.as_deref() == Some("GangRestart"))
-        .filter_map(|e| e.note)
-        .collect())
 }
 
 /// Whether process `pid` still runs (exists and is not a zombie).

@@ -174,6 +174,13 @@ fn fail_container(p: &mut Pod, code: i32, reason: &str, at: i64) {
     st.container_statuses = Some(vec![terminated("rlplane-worker", code, reason, at)]);
 }
 
+/// As [`fail_container`], with the termination message the worker wrote.
+fn fail_container_saying(p: &mut Pod, code: i32, at: i64, message: &str) {
+    fail_container(p, code, "Error", at);
+    let st = p.status.as_mut().and_then(|s| s.container_statuses.as_mut()).unwrap();
+    st[0].state.as_mut().and_then(|s| s.terminated.as_mut()).unwrap().message = Some(message.into());
+}
+
 fn steps(d: &Decision) -> Vec<&'static str> {
     d.steps
         .iter()
@@ -568,25 +575,10 @@ fn within_one_second_the_pod_whose_process_was_killed_is_named() {
     let mut sim = Sim::running(job("rljob-cpu.yaml"));
     // The coordinator (in trainer-0's pod) was killed; gen-0 lost its control channel in the
     // same second, and its pod sorts first by name.
-    fail_container(sim.pod("grpo-cpu-gen-0"), 1, "Error", 40);
-    sim.pod("grpo-cpu-gen-0").status.as_mut().unwrap().container_statuses.as_mut().unwrap()[0]
-        .state
-        .as_mut()
-        .unwrap()
-        .terminated
-        .as_mut()
-        .unwrap()
-        .message =
-        Some("pod grpo-cpu-gen-0: gen-0 exited with code 1: the coordinator closed the control channel".into());
-    fail_container(sim.pod("grpo-cpu-trainer-0"), 1, "Error", 40);
-    sim.pod("grpo-cpu-trainer-0").status.as_mut().unwrap().container_statuses.as_mut().unwrap()[0]
-        .state
-        .as_mut()
-        .unwrap()
-        .terminated
-        .as_mut()
-        .unwrap()
-        .message = Some("pod grpo-cpu-trainer-0: coordinator (coordinator) was killed by signal 9".into());
+    let gen0 = "pod grpo-cpu-gen-0: gen-0 exited with code 1: the coordinator closed the control channel";
+    fail_container_saying(sim.pod("grpo-cpu-gen-0"), 1, 40, gen0);
+    let trainer0 = "pod grpo-cpu-trainer-0: coordinator (coordinator) was killed by signal 9";
+    fail_container_saying(sim.pod("grpo-cpu-trainer-0"), 1, 40, trainer0);
     sim.now = t(50);
     sim.step();
     let message = sim.condition(conditions::RESTARTING).2;
