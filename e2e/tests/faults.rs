@@ -616,6 +616,7 @@ impl Campaign {
         let mut step = before.status.as_ref().and_then(|s| s.step).unwrap_or(0);
         let mut restarted = false;
         let mut stepped: Option<(u64, Duration)> = None;
+        let mut stale: Option<u64> = None;
         loop {
             let j = self.jobs_api().get(job).await?;
             let st = j.status.clone().unwrap_or_default();
@@ -632,11 +633,16 @@ impl Campaign {
             }
             let now = st.step.unwrap_or(0);
             if st.epoch > epoch {
-                // A restart: the new epoch counts from the checkpoint it resumed from.
+                // A restart: the new epoch counts from the checkpoint it resumed from, and only
+                // once its coordinator has written (the old epoch's step stays until then).
                 (epoch, step, restarted, stepped) =
                     (st.epoch, st.resumed_from.as_ref().map_or(0, |c| c.step), true, None);
+                stale = Some(now);
             }
-            if st.epoch == epoch && st.phase == Phase::Running && now > step {
+            if stale.is_some_and(|s| s != now) {
+                stale = None;
+            }
+            if st.epoch == epoch && st.phase == Phase::Running && now > step && stale.is_none() {
                 let (first, at) = *stepped.get_or_insert((now, t.elapsed()));
                 if now >= first + SETTLE {
                     return Ok((restarted, at));

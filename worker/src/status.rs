@@ -42,6 +42,12 @@ pub struct CoordinatorStatus {
 /// The status patch for what the coordinator has to say.
 pub fn status_patch(now: &CoordinatorStatus) -> serde_json::Value {
     let mut status = serde_json::Map::new();
+    // Before an epoch's first step, the last finished step is the checkpoint's it resumed from:
+    // an apply without `step` would remove it, and an epoch resumed from the last step's
+    // checkpoint (a coordinator killed after it) finishes without running one.
+    if let (None, Some(cp)) = (&now.step, &now.checkpoint) {
+        status.insert("step".into(), cp.step.into());
+    }
     if let Some(step) = &now.step {
         status.insert("step".into(), step.step.into());
         status.insert(
@@ -210,5 +216,16 @@ mod tests {
         });
         assert!(before_any_step["status"].get("step").is_none());
         assert_eq!(before_any_step["status"]["stall"]["waitingFor"][0], "gen-0");
+    }
+
+    #[test]
+    fn a_resumed_epoch_reports_its_checkpoints_step_until_it_finishes_one() {
+        let resumed = Some(CheckpointRef { step: 150, uri: "s3://ckpt/step-150".into() });
+        let p = status_patch(&CoordinatorStatus { checkpoint: resumed.clone(), ..Default::default() });
+        assert_eq!(p["status"]["step"], 150, "the step stays, even if the epoch has none left to run");
+        assert!(p["status"].get("lastRefit").is_none());
+        let rec = StepRecord { step: 151, ..Default::default() };
+        let p = status_patch(&CoordinatorStatus { step: Some(rec), checkpoint: resumed, ..Default::default() });
+        assert_eq!(p["status"]["step"], 151);
     }
 }
