@@ -26,7 +26,7 @@
 //! does not succeed or any violation.
 //!
 //!   export KUBECONFIG=$(e2e/cluster/up)
-//!   RLPLANE_FAULTS=39 cargo test -p rlplane-e2e --test faults -- --nocapture
+//!   RLPLANE_FAULTS=26 cargo test -p rlplane-e2e --test faults -- --nocapture
 //!
 //! `RLPLANE_FAULTS` (default 13: each kind once, the short version CI runs) and
 //! `RLPLANE_FAULT_SEED` (default: the clock; printed) choose the campaign;
