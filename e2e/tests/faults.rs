@@ -254,24 +254,7 @@ impl Campaign {
         }
         let mut done = Vec::new();
         for (i, fault) in order.into_iter().enumerate() {
-            let kind = fault.job_kind();
-            let job = match self.current.get(&kind).cloned() {
-                Some(job) => job,
-                None => self.start_job(kind)?,
-            };
-            let job = self.stepping(job, kind).await?;
-            self.current.insert(kind, job.clone());
-            // A random moment of the step under way.
-            tokio::time::sleep(Duration::from_millis(self.rng.below(1500))).await;
-            let before = self.jobs_api().get(&job).await?;
-            let t = Instant::now();
-            let what = match self.inject(fault, &job, &before).await {
-                Ok(what) => what,
-                Err(e) => {
-                    let (_, pods, _) = kubectl(&["get", "pods", "-n", &self.setup.namespace, "-o", "wide"])?;
-                    return Err(e.context(format!("injecting {fault:?} into {job}; its pods:\n{pods}")));
-                }
-            };
+            let (job, before, t, what) = self.inject_into_a_running_job(fault).await?;
             let (restarted, recovery) =
                 self.recovered(&job, &before, t).await.with_context(|| format!("after {what}"))?;
             println!(
@@ -288,6 +271,49 @@ impl Campaign {
             self.finish(job).await?;
         }
         self.report(&done, started.elapsed()).await
+    }
+
+    /// Injects `fault` into a stepping job of its kind, at a random moment of its step; returns
+    /// the job, its status before, the instant and what was done. A job may finish between the
+    /// look that found it stepping and the fault (its status lags its steps): the fault then goes
+    /// to the next job of that kind.
+    async fn inject_into_a_running_job(&mut self, fault: Fault) -> anyhow::Result<(String, RLJob, Instant, String)> {
+        let kind = fault.job_kind();
+        let mut tries = 0;
+        loop {
+            let job = match self.current.get(&kind).cloned() {
+                Some(job) => job,
+                None => self.start_job(kind)?,
+            };
+            let job = self.stepping(job, kind).await?;
+            self.current.insert(kind, job.clone());
+            // A random moment of the step under way.
+            tokio::time::sleep(Duration::from_millis(self.rng.below(1500))).await;
+            let before = self.jobs_api().get(&job).await?;
+            let t = Instant::now();
+            let e = match self.inject(fault, &job, &before).await {
+                Ok(what) => return Ok((job, before, t, what)),
+                Err(e) => e,
+            };
+            if tries < 3 && self.finished(&job).await? {
+                tries += 1;
+                println!("{job} finished before {fault:?} landed; the next job of its kind gets it");
+                continue;
+            }
+            let (_, pods, _) = kubectl(&["get", "pods", "-n", &self.setup.namespace, "-o", "wide"])?;
+            return Err(e.context(format!("injecting {fault:?} into {job}; its pods:\n{pods}")));
+        }
+    }
+
+    /// Whether `job` is Succeeded, or becomes so within 10 s.
+    async fn finished(&self, job: &str) -> anyhow::Result<bool> {
+        for _ in 0..50 {
+            if phase_of(&self.jobs_api().get(job).await?) == Some(Phase::Succeeded) {
+                return Ok(true);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(false)
     }
 
     fn jobs_api(&self) -> Api<RLJob> {
