@@ -9,7 +9,7 @@
 //! see [`AccessFence`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// Where a region lives.
@@ -231,9 +231,11 @@ pub struct Copy2d {
 /// Revocable permission to touch borrowed memory.
 ///
 /// Every access to memory a refit borrowed (a socket read into a destination, a memcpy) happens
-/// inside [`AccessFence::access`], which holds a lock for the duration of that one synchronous
-/// operation and skips it once the fence is revoked. [`AccessFence::revoke`] sets the flag and
-/// then takes the lock, so when it returns no access is in progress and none will start. It
+/// inside [`AccessFence::access`], which holds a shared lock for the duration of that one
+/// synchronous operation (accesses from several threads run side by side: a socket read beside
+/// the check of the record before it) and skips it once the fence is revoked.
+/// [`AccessFence::revoke`] sets the flag and then takes the lock exclusively, so when it returns
+/// no access is in progress and none will start. It
 /// never waits on an async task, so it is safe to call from `Drop` on any runtime: this is what
 /// makes dropping a refit future mid-way sound.
 #[derive(Clone, Debug, Default)]
@@ -244,7 +246,7 @@ pub struct AccessFence {
 #[derive(Debug, Default)]
 struct FenceInner {
     revoked: AtomicBool,
-    lock: Mutex<()>,
+    lock: RwLock<()>,
 }
 
 impl AccessFence {
@@ -256,7 +258,7 @@ impl AccessFence {
     /// Runs `f` unless the fence is revoked (then returns `None`). `f` must not block for long: a
     /// revoke waits for it.
     pub fn access<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
-        let _guard = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.inner.lock.read().unwrap_or_else(|e| e.into_inner());
         if self.inner.revoked.load(Ordering::Acquire) {
             return None;
         }
@@ -266,7 +268,7 @@ impl AccessFence {
     /// Revokes the fence: after return, no access runs or will run.
     pub fn revoke(&self) {
         self.inner.revoked.store(true, Ordering::Release);
-        drop(self.inner.lock.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(self.inner.lock.write().unwrap_or_else(|e| e.into_inner()));
     }
 
     /// Whether the fence was revoked.

@@ -19,7 +19,6 @@ use bytes::Bytes;
 use rlplane_api::WorkerPlan;
 use rlplane_api::plan::ProcessRole;
 use rlplane_api::spec::TqPlacement;
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::TqError;
@@ -27,7 +26,7 @@ use super::codec::{self, Block, Body, CONTROLLER_MAGIC, ErrorCode, Header, Outgo
 use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleTags};
 use super::controller::{AckReport, Claim, ClearReport, connect_unit};
 use super::storage::{FieldSlices, StorageUnit};
-use rlplane_wire::net::{self, Hello, JobAuth, NetError};
+use rlplane_wire::net::{self, Connection, FrameMac, Hello, JobAuth, MacPool, NetError};
 
 /// Whether this process may write back.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,9 +129,11 @@ pub struct TqClient {
     local: Option<Arc<StorageUnit>>,
     /// The controller connection (opened at the first request) and the buffer its replies are
     /// read into, kept between requests.
-    controller: tokio::sync::Mutex<(Option<TcpStream>, Vec<u8>)>,
-    units: HashMap<u32, tokio::sync::Mutex<Option<TcpStream>>>,
+    controller: tokio::sync::Mutex<(Option<Connection>, Vec<u8>)>,
+    units: HashMap<u32, tokio::sync::Mutex<Option<Connection>>>,
     next_request: AtomicU32,
+    /// Tags and checks the records of puts and gets beside the socket I/O.
+    macs: MacPool,
 }
 
 /// Samples of a request that go to one unit: indices into the caller's keys / metadata.
@@ -180,6 +181,7 @@ impl TqClient {
             config,
             local,
             controller: tokio::sync::Mutex::new((None, Vec::new())),
+            macs: MacPool::new("tq-client", 2),
             units,
             next_request: AtomicU32::new(1),
         })
@@ -235,8 +237,8 @@ impl TqClient {
             let mut s = net::connect_retry(&addr, deadline, "the transfer-queue controller").await?;
             let hello =
                 Hello { magic: CONTROLLER_MAGIC, version: WIRE_VERSION, peer: self.config.name.clone(), extra: vec![] };
-            net::send_hello(&mut s, &self.config.auth, &hello, deadline, &addr).await?;
-            *slot = Some(s);
+            let session = net::send_hello(&mut s, &self.config.auth, &hello, deadline, &addr).await?;
+            *slot = Some(Connection { stream: s, session });
         }
         let s = slot.as_mut().expect("connected above");
         let h = self.header();
@@ -244,8 +246,10 @@ impl TqClient {
             *buf = Vec::new();
         }
         let result = async {
-            codec::write_message(s, &h, body).await.map_err(|e| NetError::io("sending to the controller", &addr, e))?;
-            match codec::read_message(s, buf).await {
+            codec::write_message(&mut s.stream, &mut s.session.send, &h, body)
+                .await
+                .map_err(|e| NetError::io("sending to the controller", &addr, e))?;
+            match codec::read_message(&mut s.stream, &mut s.session.recv, buf).await {
                 Ok((rh, b)) if rh.request_id == h.request_id => Ok(b),
                 Ok((rh, _)) => Err(TqError::Protocol {
                     peer: addr.clone(),
@@ -379,7 +383,7 @@ impl TqClient {
         &self,
         unit: u32,
         partition: &str,
-        work: impl AsyncFnOnce(&mut TcpStream, &str) -> Result<T, TqError>,
+        work: impl AsyncFnOnce(&mut Connection, &str) -> Result<T, TqError>,
     ) -> Result<T, TqError> {
         let addr = self.unit_addr(unit)?.to_string();
         let slot = self.units.get(&unit).expect("every configured unit has a slot");
@@ -571,12 +575,14 @@ impl TqClient {
         }
         // The unit may hold the reply for up to the put timeout (backpressure).
         let reply_within = self.config.put_timeout + Duration::from_secs(30);
-        self.with_unit(part.unit, partition, async |s: &mut TcpStream, addr: &str| {
+        self.with_unit(part.unit, partition, async |s: &mut Connection, addr: &str| {
             let what = "putting samples";
             let mut buf = Vec::new();
             let exchange = async {
-                out.write(s).await.map_err(|e| NetError::io(what, addr, e))?;
-                read_reply(s, &mut buf, addr, h.request_id).await
+                out.write(&mut s.stream, &mut s.session.send, &self.macs)
+                    .await
+                    .map_err(|e| NetError::io(what, addr, e))?;
+                read_reply(&mut s.stream, &mut s.session.recv, &mut buf, addr, h.request_id).await
             };
             match tokio::time::timeout(reply_within, exchange).await {
                 Err(_) => {
@@ -710,18 +716,21 @@ impl TqClient {
             })
             .collect();
         let unit = part.unit;
-        self.with_unit(unit, &meta.partition, async |s: &mut TcpStream, addr: &str| {
-            let (mut rd, mut wr) = s.split();
+        self.with_unit(unit, &meta.partition, async |s: &mut Connection, addr: &str| {
+            let (mut rd, mut wr) = s.stream.split();
+            let (send_mac, recv_mac) = (&mut s.session.send, &mut s.session.recv);
             let send = async {
                 for (h, b) in &requests {
-                    codec::write_message(&mut wr, h, b).await.map_err(|e| NetError::io("sending a get", addr, e))?;
+                    codec::write_message(&mut wr, send_mac, h, b)
+                        .await
+                        .map_err(|e| NetError::io("sending a get", addr, e))?;
                 }
                 Ok::<(), TqError>(())
             };
             let receive = async {
                 let mut buf = Vec::new();
                 for ((chunk, (h, _)), mut regions) in chunks.iter().zip(&requests).zip(chunk_regions) {
-                    let block = match read_reply(&mut rd, &mut buf, addr, h.request_id).await? {
+                    let block = match read_reply(&mut rd, recv_mac, &mut buf, addr, h.request_id).await? {
                         Body::Data { block } => block,
                         Body::Error { code, message } => return Err(Self::storage_err(unit, addr, code, message)),
                         other => {
@@ -731,7 +740,8 @@ impl TqClient {
                             });
                         }
                     };
-                    read_get_columns(&mut rd, addr, &block, meta, want, chunk, &mut regions).await?;
+                    let link = (&mut rd, &mut *recv_mac, &self.macs);
+                    read_get_columns(link, addr, &block, meta, want, chunk, &mut regions).await?;
                 }
                 Ok::<(), TqError>(())
             };
@@ -784,7 +794,7 @@ fn split_by_chunk<'r>(chunks: &[&[usize]], want: &Wanted<'_>, regions: Vec<&'r m
 /// `regions`, one per field of `want`, after checking that the unit sends what the controller's
 /// metadata says: the samples and fields asked for, with the same shapes, bytes and row counts.
 async fn read_get_columns<R: tokio::io::AsyncReadExt + Unpin>(
-    rd: &mut R,
+    (rd, mac, pool): (&mut R, &mut FrameMac, &MacPool),
     addr: &str,
     block: &Block,
     meta: &BatchMeta,
@@ -815,7 +825,7 @@ async fn read_get_columns<R: tokio::io::AsyncReadExt + Unpin>(
             )));
         }
         if spec.ragged {
-            let raw = codec::read_buffer(rd, (chunk.len() as u64 + 1) * 8, &spec.name)
+            let raw = codec::read_buffer(rd, mac, pool, (chunk.len() as u64 + 1) * 8, &spec.name)
                 .await
                 .map_err(|e| read_error(addr, e))?;
             let got = codec::decode_offsets(&spec.name, &raw, block.n, *len, want.row_bytes[f])
@@ -828,7 +838,7 @@ async fn read_get_columns<R: tokio::io::AsyncReadExt + Unpin>(
                 )));
             }
         }
-        codec::read_buffer_into(rd, region, &spec.name).await.map_err(|e| read_error(addr, e))?;
+        codec::read_buffer_into(rd, mac, pool, region, &spec.name).await.map_err(|e| read_error(addr, e))?;
     }
     Ok(())
 }
@@ -851,11 +861,12 @@ fn read_error(addr: &str, e: ReadError) -> TqError {
 
 async fn read_reply<R: tokio::io::AsyncReadExt + Unpin>(
     r: &mut R,
+    mac: &mut FrameMac,
     buf: &mut Vec<u8>,
     addr: &str,
     request_id: u32,
 ) -> Result<Body, TqError> {
-    match codec::read_message(r, buf).await {
+    match codec::read_message(r, mac, buf).await {
         Ok((h, b)) if h.request_id == request_id => Ok(b),
         Ok((_, Body::Error { code, message })) => {
             Err(TqError::Storage { unit: u32::MAX, addr: addr.into(), code, message })

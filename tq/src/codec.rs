@@ -1,11 +1,14 @@
 //! The transfer queue's wire format: one header frame, then raw little-endian buffer frames.
 //!
 //! ```text
-//! header frame : u32 len | version u16 | kind u8 | flags u8 | request_id u32 | token str | body
-//! buffer frame : u64 len | len raw bytes            (as many as the body's column block declares)
+//! header frame : u32 len | version u16 | kind u8 | flags u8 | request_id u32 | token str | body | tag
+//! buffer frame : u64 len | records                  (as many as the body's column block declares)
+//! records      : the len raw bytes in records of at most 256 KiB, each followed by its tag
 //! str          : u32 len | UTF-8 bytes
 //! ```
-//! Everything is little-endian. Bulk values never pass through the header: a column block in the
+//! Everything is little-endian. A tag is 16 bytes of keyed BLAKE3 over the frame's (or record's)
+//! number on its connection and its bytes, with the direction's key from the connection's
+//! handshake ([`rlplane_wire::net::mac`]): nothing is acted on before its tag checks out. Bulk values never pass through the header: a column block in the
 //! body declares each column's spec and value length, and the buffers follow as their own frames
 //! (for a ragged column: its `n + 1` u64 row offsets, then its values), so a Python peer reads them
 //! with `np.frombuffer` and a Rust peer writes them with vectored writes straight from the stored
@@ -22,12 +25,13 @@
 use std::io::IoSlice;
 use std::sync::Arc;
 
+use rlplane_wire::net::{self, FrameMac, MacPool};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleTags, extend_le32, read_le32};
 
 /// Version of the wire format; carried by every message. A peer of another version is refused.
-pub const WIRE_VERSION: u16 = 2;
+pub const WIRE_VERSION: u16 = 3;
 
 /// Handshake magic of the controller service.
 pub const CONTROLLER_MAGIC: [u8; 4] = *b"TQCT";
@@ -813,8 +817,9 @@ pub fn decode_message_bytes(bytes: &[u8]) -> Result<(DecodedMessage, usize), Cod
     Ok((DecodedMessage { header, body, buffers }, r.pos))
 }
 
-/// Encodes a message with its buffers into one byte vector (the inverse of
-/// [`decode_message_bytes`]; services write with [`Outgoing`] instead, without copying).
+/// Encodes a message with its buffers into one byte vector, without tags (the inverse of
+/// [`decode_message_bytes`]; services write with [`Outgoing`] instead, without copying, and
+/// [`tag_message_bytes`] makes what travels).
 pub fn encode_message_bytes(header: &Header, body: &Body, buffers: &[&[u8]]) -> Vec<u8> {
     let frame = encode(header, body);
     let mut v = Vec::with_capacity(4 + frame.len() + buffers.iter().map(|b| 8 + b.len()).sum::<usize>());
@@ -823,6 +828,24 @@ pub fn encode_message_bytes(header: &Header, body: &Body, buffers: &[&[u8]]) -> 
     for b in buffers {
         v.extend_from_slice(&(b.len() as u64).to_le_bytes());
         v.extend_from_slice(b);
+    }
+    v
+}
+
+/// A message with its buffers as it travels on a connection whose next frames `mac` tags: the
+/// header frame and its tag, then each buffer frame's length and its tagged records.
+pub fn tag_message_bytes(mac: &mut FrameMac, header: &Header, body: &Body, buffers: &[&[u8]]) -> Vec<u8> {
+    let frame = encode(header, body);
+    let mut v = Vec::new();
+    v.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+    v.extend_from_slice(&frame);
+    v.extend_from_slice(&mac.tag(&[&frame]));
+    for b in buffers {
+        v.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        for record in b.chunks(net::RECORD_BYTES) {
+            v.extend_from_slice(record);
+            v.extend_from_slice(&mac.tag(&[record]));
+        }
     }
     v
 }
@@ -874,39 +897,50 @@ impl<'a> Outgoing<'a> {
         self.buffers.push(parts);
     }
 
-    /// Writes the message.
-    pub async fn write<W: AsyncWrite + Unpin>(&self, w: &mut W) -> std::io::Result<()> {
+    /// Writes the message, tagging its frames and records with `mac` (large records on `pool`'s
+    /// threads, ahead of the bytes being written).
+    pub async fn write<W: AsyncWrite + Unpin>(
+        &self,
+        w: &mut W,
+        mac: &mut FrameMac,
+        pool: &MacPool,
+    ) -> std::io::Result<()> {
         let frame_len = (self.frame.len() as u32).to_le_bytes();
-        let buf_lens: Vec<[u8; 8]> =
-            self.buffers.iter().map(|p| (p.iter().map(|s| s.len() as u64).sum::<u64>()).to_le_bytes()).collect();
-        let mut slices: Vec<IoSlice<'_>> =
-            Vec::with_capacity(2 + self.buffers.iter().map(|b| b.len() + 1).sum::<usize>());
-        slices.push(IoSlice::new(&frame_len));
-        slices.push(IoSlice::new(&self.frame));
-        for (parts, len) in self.buffers.iter().zip(&buf_lens) {
-            slices.push(IoSlice::new(len));
-            slices.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
+        let tag = mac.tag(&[&self.frame]);
+        let mut head = [IoSlice::new(&frame_len), IoSlice::new(&self.frame), IoSlice::new(&tag)];
+        write_all_vectored(w, &mut head).await?;
+        for parts in &self.buffers {
+            let len = parts.iter().map(|s| s.len() as u64).sum::<u64>();
+            w.write_all(&len.to_le_bytes()).await?;
+            net::write_records(w, mac, pool, parts).await?;
         }
-        write_all_vectored(w, &mut slices).await?;
         w.flush().await
     }
 }
 
-/// Writes a message without buffers.
-pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, header: &Header, body: &Body) -> std::io::Result<()> {
-    Outgoing::new(header, body).write(w).await
+/// Writes a message without buffers, tagged with `mac`.
+pub async fn write_message<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mac: &mut FrameMac,
+    header: &Header,
+    body: &Body,
+) -> std::io::Result<()> {
+    let mut frame = Vec::new();
+    write_message_with(w, mac, header, body, &mut frame).await
 }
 
 /// [`write_message`], encoding into `frame` (kept by the caller between messages).
 pub async fn write_message_with<W: AsyncWrite + Unpin>(
     w: &mut W,
+    mac: &mut FrameMac,
     header: &Header,
     body: &Body,
     frame: &mut Vec<u8>,
 ) -> std::io::Result<()> {
     encode_into(frame, header, body);
     let len = (frame.len() as u32).to_le_bytes();
-    write_all_vectored(w, &mut [IoSlice::new(&len), IoSlice::new(frame)]).await?;
+    let tag = mac.tag(&[frame]);
+    write_all_vectored(w, &mut [IoSlice::new(&len), IoSlice::new(frame), IoSlice::new(&tag)]).await?;
     w.flush().await
 }
 
@@ -925,9 +959,13 @@ pub enum ReadError {
     Codec(#[from] CodecError),
 }
 
-/// Reads one header frame into `buf` and decodes it.
-pub async fn read_message<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> Result<(Header, Body), ReadError> {
-    rlplane_wire::net::read_frame(r, buf, MAX_HEADER).await.map_err(|e| {
+/// Reads one header frame into `buf`, checks its tag with `mac` and decodes it.
+pub async fn read_message<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    mac: &mut FrameMac,
+    buf: &mut Vec<u8>,
+) -> Result<(Header, Body), ReadError> {
+    net::read_tagged_frame(r, mac, buf, MAX_HEADER).await.map_err(|e| {
         if e.kind() == std::io::ErrorKind::InvalidData {
             ReadError::Codec(CodecError { offset: 0, what: e.to_string() })
         } else {
@@ -935,6 +973,16 @@ pub async fn read_message<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>)
         }
     })?;
     Ok(decode(buf)?)
+}
+
+/// A record whose tag failed is a malformed frame (close the stream after replying); other
+/// failures are the stream's.
+fn records_error(e: std::io::Error) -> ReadError {
+    if e.kind() == std::io::ErrorKind::InvalidData {
+        ReadError::Codec(CodecError { offset: 0, what: e.to_string() })
+    } else {
+        ReadError::Io(e)
+    }
 }
 
 async fn read_len<R: AsyncReadExt + Unpin>(r: &mut R, expected: u64, what: &str) -> Result<(), ReadError> {
@@ -950,11 +998,17 @@ async fn read_len<R: AsyncReadExt + Unpin>(r: &mut R, expected: u64, what: &str)
     Ok(())
 }
 
-/// Reads one buffer frame straight into `dst`, whose length is the declared one.
-pub async fn read_buffer_into<R: AsyncReadExt + Unpin>(r: &mut R, dst: &mut [u8], what: &str) -> Result<(), ReadError> {
+/// Reads one buffer frame straight into `dst`, whose length is the declared one, checking its
+/// records' tags with `mac` (large records on `pool`'s threads, while the next ones arrive).
+pub async fn read_buffer_into<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    mac: &mut FrameMac,
+    pool: &MacPool,
+    dst: &mut [u8],
+    what: &str,
+) -> Result<(), ReadError> {
     read_len(r, dst.len() as u64, what).await?;
-    r.read_exact(dst).await?;
-    Ok(())
+    net::read_records(r, mac, pool, dst).await.map_err(records_error)
 }
 
 /// A zeroed buffer of `len` bytes for a socket to fill. Large ones ask for transparent huge pages
@@ -981,22 +1035,29 @@ pub fn receive_buffer(len: usize) -> Vec<u8> {
 
 /// Reads one buffer frame of the declared length into a new vector. The caller bounds `expected`
 /// (a storage unit by its capacity), so a lying header cannot make it allocate without limit.
-pub async fn read_buffer<R: AsyncReadExt + Unpin>(r: &mut R, expected: u64, what: &str) -> Result<Vec<u8>, ReadError> {
+pub async fn read_buffer<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    mac: &mut FrameMac,
+    pool: &MacPool,
+    expected: u64,
+    what: &str,
+) -> Result<Vec<u8>, ReadError> {
     read_len(r, expected, what).await?;
     let mut v = receive_buffer(expected as usize);
-    r.read_exact(&mut v).await?;
+    net::read_records(r, mac, pool, &mut v).await.map_err(records_error)?;
     Ok(v)
 }
 
 /// Reads and discards the buffer frames of `block` (after refusing a request), keeping the stream
 /// in step. Stops at the first frame whose length disagrees.
-pub async fn skip_buffers<R: AsyncReadExt + Unpin>(r: &mut R, block: &Block) -> Result<(), ReadError> {
+pub async fn skip_buffers<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    mac: &mut FrameMac,
+    block: &Block,
+) -> Result<(), ReadError> {
     for len in block.buffer_lens() {
         read_len(r, len, "a refused request").await?;
-        let copied = tokio::io::copy(&mut (&mut *r).take(len), &mut tokio::io::sink()).await?;
-        if copied != len {
-            return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
+        net::skip_records(r, mac, len).await.map_err(records_error)?;
     }
     Ok(())
 }
@@ -1170,7 +1231,7 @@ mod tests {
     #[test]
     fn meta_is_laid_out_as_documented() {
         // docs/transfer-queue.md, "Batch metadata": the bytes a Python peer reads.
-        let mut want = vec![2, 0, 1, 0, 7, 0, 0, 0, 1, 0, 0, 0, b't'];
+        let mut want = vec![3, 0, 1, 0, 7, 0, 0, 0, 1, 0, 0, 0, b't'];
         let s = |w: &mut Vec<u8>, x: &str| {
             w.extend_from_slice(&(x.len() as u32).to_le_bytes());
             w.extend_from_slice(x.as_bytes());

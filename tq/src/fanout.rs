@@ -12,15 +12,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rlplane_api::WorkerPlan;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 use super::TqError;
 use super::client::TqClient;
 use super::codec::{self, Block, Body, FANOUT_MAGIC, Header, Outgoing, ReadError, WIRE_VERSION};
 use super::column::{Batch, BatchMeta, Column};
-use rlplane_wire::net::{self, Hello, JobAuth, NetError};
+use rlplane_wire::net::{self, Connection, Hello, JobAuth, MacPool, NetError};
 
 /// Sends a batch to every follower of a fan-out group.
 pub trait FanoutSender {
@@ -41,7 +40,8 @@ const RECEIVED: u8 = 0;
 #[derive(Debug)]
 pub struct TcpFanoutLeader {
     token: String,
-    followers: Vec<(String, TcpStream)>,
+    followers: Vec<(String, Connection)>,
+    macs: MacPool,
 }
 
 impl TcpFanoutLeader {
@@ -54,7 +54,7 @@ impl TcpFanoutLeader {
         deadline: Instant,
     ) -> Result<TcpFanoutLeader, TqError> {
         let expected: BTreeSet<&str> = followers.iter().map(|s| s.as_str()).collect();
-        let mut joined: Vec<(String, TcpStream)> = Vec::new();
+        let mut joined: Vec<(String, Connection)> = Vec::new();
         let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
         while joined.len() < expected.len() {
             let waiting: Vec<&str> = expected.iter().copied().filter(|n| !joined.iter().any(|(j, _)| j == n)).collect();
@@ -75,7 +75,7 @@ impl TcpFanoutLeader {
                 Ok(())
             };
             match net::accept_hello(&mut s, auth, FANOUT_MAGIC, WIRE_VERSION, deadline, check).await {
-                Ok(h) => joined.push((h.peer, s)),
+                Ok((h, session)) => joined.push((h.peer, Connection { stream: s, session })),
                 // A stranger is refused (and told why), a peer that fails its handshake is
                 // dropped; keep waiting for the members until the deadline.
                 Err(NetError::Refused { peer, reason }) => tracing::warn!(%peer, %reason, "fan-out peer refused"),
@@ -83,7 +83,7 @@ impl TcpFanoutLeader {
             }
         }
         joined.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(TcpFanoutLeader { token: auth.token().into(), followers: joined })
+        Ok(TcpFanoutLeader { token: auth.token().into(), followers: joined, macs: MacPool::new("fanout", 2) })
     }
 
     /// Binds the leader's fan-out port from the plan and accepts the group's followers.
@@ -136,15 +136,17 @@ impl FanoutSender for TcpFanoutLeader {
             }
             out.buffer(vec![c.values().as_ref()]);
         }
-        let out = &out;
+        let (out, macs) = (&out, &self.macs);
         let sends = self.followers.iter_mut().map(|(name, s)| async move {
-            out.write(s).await.map_err(|e| NetError::io("fanning out a batch", name.as_str(), e))?;
-            let mut ack = [0u8; 1];
-            s.read_exact(&mut ack)
+            out.write(&mut s.stream, &mut s.session.send, macs)
+                .await
+                .map_err(|e| NetError::io("fanning out a batch", name.as_str(), e))?;
+            let mut ack = Vec::new();
+            net::read_tagged_frame(&mut s.stream, &mut s.session.recv, &mut ack, 1)
                 .await
                 .map_err(|e| NetError::io("waiting for a follower's receipt", name.as_str(), e))?;
-            if ack[0] != RECEIVED {
-                return Err(TqError::Protocol { peer: name.clone(), what: format!("receipt byte {}", ack[0]) });
+            if ack != [RECEIVED] {
+                return Err(TqError::Protocol { peer: name.clone(), what: format!("receipt {ack:?}") });
             }
             Ok(())
         });
@@ -156,8 +158,9 @@ impl FanoutSender for TcpFanoutLeader {
 #[derive(Debug)]
 pub struct TcpFanoutFollower {
     leader: String,
-    stream: TcpStream,
+    conn: Connection,
     max_bytes: u64,
+    macs: MacPool,
 }
 
 impl TcpFanoutFollower {
@@ -173,8 +176,13 @@ impl TcpFanoutFollower {
     ) -> Result<TcpFanoutFollower, TqError> {
         let mut stream = net::connect_retry(addr, deadline, "the fan-out leader").await?;
         let hello = Hello { magic: FANOUT_MAGIC, version: WIRE_VERSION, peer: name.into(), extra: vec![] };
-        net::send_hello(&mut stream, auth, &hello, deadline, addr).await?;
-        Ok(TcpFanoutFollower { leader: addr.into(), stream, max_bytes: Self::DEFAULT_MAX_BYTES })
+        let session = net::send_hello(&mut stream, auth, &hello, deadline, addr).await?;
+        Ok(TcpFanoutFollower {
+            leader: addr.into(),
+            conn: Connection { stream, session },
+            max_bytes: Self::DEFAULT_MAX_BYTES,
+            macs: MacPool::new("fanout", 2),
+        })
     }
 
     /// Connects to this follower's leader from the plan.
@@ -212,12 +220,13 @@ impl FanoutReceiver for TcpFanoutFollower {
         let peer = self.leader.clone();
         let bad = |what: String| TqError::Protocol { peer: peer.clone(), what };
         let mut buf = Vec::new();
-        let (meta, block): (BatchMeta, Block) = match codec::read_message(&mut self.stream, &mut buf).await {
-            Ok((_, Body::Fanout { meta, block })) => (meta, block),
-            Ok((_, other)) => return Err(bad(format!("a message of kind {} instead of a batch", other.kind()))),
-            Err(ReadError::Io(e)) => return Err(NetError::io("receiving a batch", peer.as_str(), e).into()),
-            Err(ReadError::Codec(e)) => return Err(bad(e.to_string())),
-        };
+        let (meta, block): (BatchMeta, Block) =
+            match codec::read_message(&mut self.conn.stream, &mut self.conn.session.recv, &mut buf).await {
+                Ok((_, Body::Fanout { meta, block })) => (meta, block),
+                Ok((_, other)) => return Err(bad(format!("a message of kind {} instead of a batch", other.kind()))),
+                Err(ReadError::Io(e)) => return Err(NetError::io("receiving a batch", peer.as_str(), e).into()),
+                Err(ReadError::Codec(e)) => return Err(bad(e.to_string())),
+            };
         let total: u64 = block.buffer_lens().iter().fold(0u64, |a, &b| a.saturating_add(b));
         if total > self.max_bytes {
             return Err(bad(format!("a batch of {total} bytes, over this follower's limit of {}", self.max_bytes)));
@@ -229,21 +238,31 @@ impl FanoutReceiver for TcpFanoutFollower {
                 ReadError::Codec(e) => bad(e.to_string()),
             };
             let offsets = if spec.ragged {
-                let raw =
-                    codec::read_buffer(&mut self.stream, (block.n as u64 + 1) * 8, &spec.name).await.map_err(rd)?;
+                let c = &mut self.conn;
+                let raw = codec::read_buffer(
+                    &mut c.stream,
+                    &mut c.session.recv,
+                    &self.macs,
+                    (block.n as u64 + 1) * 8,
+                    &spec.name,
+                )
+                .await
+                .map_err(rd)?;
                 codec::decode_offsets(&spec.name, &raw, block.n, *len, spec.row_bytes().unwrap_or(1))
                     .map_err(|e| bad(e.to_string()))?
             } else {
                 Vec::new()
             };
-            let values = codec::read_buffer(&mut self.stream, *len, &spec.name).await.map_err(rd)?;
+            let c = &mut self.conn;
+            let values = codec::read_buffer(&mut c.stream, &mut c.session.recv, &self.macs, *len, &spec.name)
+                .await
+                .map_err(rd)?;
             columns.push(
                 Column::from_parts(spec.clone(), block.n as usize, Bytes::from(values), offsets)
                     .map_err(|e| bad(e.to_string()))?,
             );
         }
-        self.stream
-            .write_all(&[RECEIVED])
+        net::write_tagged_frame(&mut self.conn.stream, &mut self.conn.session.send, &[RECEIVED])
             .await
             .map_err(|e| NetError::io("acknowledging a batch", peer.as_str(), e))?;
         Ok(Batch { meta, columns })

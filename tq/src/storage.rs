@@ -16,13 +16,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
 use super::codec::{self, Block, Body, ErrorCode, Header, Outgoing, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use super::column::{Column, FieldSpec};
-use rlplane_wire::net::{self, JobAuth, NetError};
+use rlplane_wire::net::{self, Connection, JobAuth, MacPool, NetError};
 
 /// Errors of a storage unit. Each names the unit and what to change.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -368,13 +367,14 @@ pub struct StorageServer {
     unit: Arc<StorageUnit>,
     auth: JobAuth,
     put_timeout: Duration,
+    macs: MacPool,
 }
 
 impl StorageServer {
     /// A server for `unit`, refusing peers without the job epoch's key (`auth`), failing puts that wait longer than
     /// `put_timeout` for room.
     pub fn new(unit: Arc<StorageUnit>, auth: &JobAuth, put_timeout: Duration) -> StorageServer {
-        StorageServer { unit, auth: auth.clone(), put_timeout }
+        StorageServer { unit, auth: auth.clone(), put_timeout, macs: MacPool::new("tq-unit", 2) }
     }
 
     /// The unit.
@@ -398,50 +398,57 @@ impl StorageServer {
 
     async fn serve_connection(&self, mut stream: TcpStream) -> Result<(), NetError> {
         let deadline = Instant::now() + Duration::from_secs(30);
-        let hello =
+        let (hello, session) =
             net::accept_hello(&mut stream, &self.auth, STORAGE_MAGIC, WIRE_VERSION, deadline, |_| Ok(())).await?;
         let peer = hello.peer;
-        self.serve_stream(&mut stream, &peer).await
+        self.serve_stream(&mut Connection { stream, session }, &peer).await
     }
 
-    /// Serves requests on an established (handshaken) stream until it closes or goes out of step.
-    pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
-        &self,
-        stream: &mut S,
-        peer: &str,
-    ) -> Result<(), NetError> {
+    /// Serves requests on an established (handshaken) connection until it closes or goes out of
+    /// step.
+    async fn serve_stream(&self, conn: &mut Connection, peer: &str) -> Result<(), NetError> {
         let mut buf = Vec::new();
         loop {
-            let (header, body) = match codec::read_message(stream, &mut buf).await {
+            let (header, body) = match codec::read_message(&mut conn.stream, &mut conn.session.recv, &mut buf).await {
                 Ok(m) => m,
                 Err(ReadError::Io(e)) => return Err(NetError::io("reading a request", peer, e)),
                 Err(ReadError::Codec(e)) => {
-                    let _ = self.reply_error(stream, 0, ErrorCode::Malformed, e.to_string()).await;
+                    let _ = self.reply_error(conn, 0, ErrorCode::Malformed, e.to_string()).await;
                     return Err(NetError::Refused { peer: peer.into(), reason: e.to_string() });
                 }
             };
             let rid = header.request_id;
             if header.token != self.auth.token() {
                 if let Some(block) = body.block() {
-                    codec::skip_buffers(stream, block).await.map_err(|e| read_err(peer, e))?;
+                    codec::skip_buffers(&mut conn.stream, &mut conn.session.recv, block)
+                        .await
+                        .map_err(|e| read_err(peer, e))?;
                 }
                 let msg = format!(
                     "job token `{}` does not match `{}`: the client belongs to another job or epoch",
                     header.token,
                     self.auth.token()
                 );
-                self.reply_error(stream, rid, ErrorCode::Token, msg)
+                self.reply_error(conn, rid, ErrorCode::Token, msg)
                     .await
                     .map_err(|e| NetError::io("replying", peer, e))?;
                 continue;
             }
             let result = match body {
                 Body::Put { partition, keys, block } => {
-                    self.handle_put(stream, &partition, &keys, &block, peer).await?
+                    match self.handle_put(conn, &partition, &keys, &block, peer).await {
+                        Ok(r) => r,
+                        Err(NetError::Refused { peer, reason }) => {
+                            // A malformed buffer (a record whose tag failed): say why, then close.
+                            let _ = self.reply_error(conn, rid, ErrorCode::Malformed, reason.clone()).await;
+                            return Err(NetError::Refused { peer, reason });
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
                 Body::Get { partition, keys, fields } => match self.unit.get(&partition, &keys, &fields) {
                     Ok(slices) => {
-                        write_data(stream, &self.header(rid), &slices)
+                        write_data(conn, &self.macs, &self.header(rid), &slices)
                             .await
                             .map_err(|e| NetError::io("sending data", peer, e))?;
                         continue;
@@ -454,7 +461,9 @@ impl StorageServer {
                 }
                 other => {
                     if let Some(block) = other.block() {
-                        codec::skip_buffers(stream, block).await.map_err(|e| read_err(peer, e))?;
+                        codec::skip_buffers(&mut conn.stream, &mut conn.session.recv, block)
+                            .await
+                            .map_err(|e| read_err(peer, e))?;
                     }
                     Err(StorageError::BadRequest {
                         unit: self.unit.id,
@@ -464,7 +473,7 @@ impl StorageServer {
                 }
             };
             let reply = result.unwrap_or_else(|e| Body::Error { code: e.code(), message: e.to_string() });
-            codec::write_message(stream, &self.header(rid), &reply)
+            codec::write_message(&mut conn.stream, &mut conn.session.send, &self.header(rid), &reply)
                 .await
                 .map_err(|e| NetError::io("replying", peer, e))?;
         }
@@ -474,21 +483,27 @@ impl StorageServer {
         Header { version: WIRE_VERSION, request_id, token: self.auth.token().to_string() }
     }
 
-    async fn reply_error<S: AsyncWrite + Unpin>(
+    async fn reply_error(
         &self,
-        stream: &mut S,
+        conn: &mut Connection,
         rid: u32,
         code: ErrorCode,
         message: String,
     ) -> std::io::Result<()> {
-        codec::write_message(stream, &self.header(rid), &Body::Error { code, message }).await
+        codec::write_message(
+            &mut conn.stream,
+            &mut conn.session.send,
+            &self.header(rid),
+            &Body::Error { code, message },
+        )
+        .await
     }
 
     /// Reserves, reads, validates and commits a put. Errors that leave the stream in step become
     /// the reply; errors that do not end the connection.
-    async fn handle_put<S: AsyncRead + AsyncWrite + Unpin>(
+    async fn handle_put(
         &self,
-        stream: &mut S,
+        conn: &mut Connection,
         partition: &str,
         keys: &[String],
         block: &Block,
@@ -498,7 +513,9 @@ impl StorageServer {
         let reservation = match self.unit.reserve(total, Instant::now() + self.put_timeout).await {
             Ok(r) => r,
             Err(e) => {
-                codec::skip_buffers(stream, block).await.map_err(|e| read_err(peer, e))?;
+                codec::skip_buffers(&mut conn.stream, &mut conn.session.recv, block)
+                    .await
+                    .map_err(|e| read_err(peer, e))?;
                 return Ok(Err(e));
             }
         };
@@ -506,14 +523,22 @@ impl StorageServer {
         for (spec, len) in &block.columns {
             let offsets = if spec.ragged {
                 Some(
-                    codec::read_buffer(stream, (block.n as u64 + 1) * 8, &spec.name)
-                        .await
-                        .map_err(|e| read_err(peer, e))?,
+                    codec::read_buffer(
+                        &mut conn.stream,
+                        &mut conn.session.recv,
+                        &self.macs,
+                        (block.n as u64 + 1) * 8,
+                        &spec.name,
+                    )
+                    .await
+                    .map_err(|e| read_err(peer, e))?,
                 )
             } else {
                 None
             };
-            let values = codec::read_buffer(stream, *len, &spec.name).await.map_err(|e| read_err(peer, e))?;
+            let values = codec::read_buffer(&mut conn.stream, &mut conn.session.recv, &self.macs, *len, &spec.name)
+                .await
+                .map_err(|e| read_err(peer, e))?;
             raw.push((spec, offsets, values));
         }
         let mut columns = Vec::with_capacity(raw.len());
@@ -552,8 +577,9 @@ fn read_err(peer: &str, e: ReadError) -> NetError {
 
 /// Writes a [`Body::Data`] reply: the block, then per field its offsets (ragged) and its values
 /// as one buffer frame made of every sample's stored slice (vectored, no copy).
-pub async fn write_data<W: AsyncWrite + Unpin>(
-    w: &mut W,
+pub async fn write_data(
+    conn: &mut Connection,
+    pool: &MacPool,
     header: &Header,
     fields: &[FieldSlices],
 ) -> std::io::Result<()> {
@@ -568,7 +594,7 @@ pub async fn write_data<W: AsyncWrite + Unpin>(
         }
         out.buffer(f.samples.iter().map(|(b, _)| b.as_ref()).collect());
     }
-    out.write(w).await
+    out.write(&mut conn.stream, &mut conn.session.send, pool).await
 }
 
 #[cfg(test)]

@@ -7,8 +7,10 @@
 //! docs/benchmarks.md). Two users whose messages are on a step's critical path: the CUDA IPC
 //! transport's control channel (a zeromq channel through a socket task took 0.2–0.3 ms per
 //! message there) and the coordinator's control channel, whose waits poll their sockets while a
-//! reply is due ([`crate::hot_wait`]). A frame is a little-endian `u32` length and that many
-//! bytes, as [`crate::net::write_frame`] writes them.
+//! reply is due ([`crate::hot_wait`]). A frame is a little-endian `u32` length, that many bytes and
+//! the frame's tag, as [`crate::net::write_tagged_frame`] writes them: a link takes over a
+//! connection after its handshake, with the handshake's [`Session`], and refuses any frame whose
+//! tag does not check out ([`crate::net::mac`]).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream as StdTcpStream;
@@ -19,6 +21,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::time::Instant;
 
 use crate::hot_wait::{Next, Window};
+use crate::net::mac::{Session, TAG_LEN};
 
 /// The connected socket under a link.
 enum Socket {
@@ -60,26 +63,27 @@ pub struct FrameLink {
     /// Bytes queued and not yet taken by the socket.
     outbound: Vec<u8>,
     max_frame: u32,
+    session: Session,
 }
 
 impl FrameLink {
-    /// Takes over a connected Unix stream (after its handshake); frames over `max_frame` bytes
-    /// are refused as malformed.
-    pub fn unix(stream: tokio::net::UnixStream, max_frame: u32) -> io::Result<FrameLink> {
+    /// Takes over a connected Unix stream after its handshake, which left `session`; frames over
+    /// `max_frame` bytes are refused as malformed.
+    pub fn unix(stream: tokio::net::UnixStream, max_frame: u32, session: Session) -> io::Result<FrameLink> {
         // `into_std` leaves the socket non-blocking.
-        FrameLink::new(Socket::Unix(stream.into_std()?), max_frame)
+        FrameLink::new(Socket::Unix(stream.into_std()?), max_frame, session)
     }
 
     /// Takes over a connected TCP stream, as [`FrameLink::unix`].
-    pub fn tcp(stream: tokio::net::TcpStream, max_frame: u32) -> io::Result<FrameLink> {
-        FrameLink::new(Socket::Tcp(stream.into_std()?), max_frame)
+    pub fn tcp(stream: tokio::net::TcpStream, max_frame: u32, session: Session) -> io::Result<FrameLink> {
+        FrameLink::new(Socket::Tcp(stream.into_std()?), max_frame, session)
     }
 
-    fn new(socket: Socket, max_frame: u32) -> io::Result<FrameLink> {
+    fn new(socket: Socket, max_frame: u32, session: Session) -> io::Result<FrameLink> {
         // SAFETY: the socket owns its descriptor and keeps it, unchanged, until the `AsyncFd`
         // that owns the socket drops it.
         let fd = unsafe { AsyncFd::register(socket) }.map_err(|e| e.into_parts().1)?;
-        Ok(FrameLink { fd, inbound: Vec::with_capacity(4096), start: 0, outbound: Vec::new(), max_frame })
+        Ok(FrameLink { fd, inbound: Vec::with_capacity(4096), start: 0, outbound: Vec::new(), max_frame, session })
     }
 
     /// Queues one frame made of `parts` and writes as much of what is queued as the socket
@@ -101,6 +105,8 @@ impl FrameLink {
         for p in parts {
             self.outbound.extend_from_slice(p);
         }
+        let tag = self.session.send.tag(parts);
+        self.outbound.extend_from_slice(&tag);
         Ok(())
     }
 
@@ -169,11 +175,13 @@ impl FrameLink {
             ));
         }
         let end = 4 + len as usize;
-        if have.len() < end {
+        if have.len() < end + TAG_LEN {
             return Ok(None);
         }
-        let frame = have[4..end].to_vec();
-        self.start += end;
+        let frame = &have[4..end];
+        self.session.recv.check(&[frame], &have[end..end + TAG_LEN])?;
+        let frame = frame.to_vec();
+        self.start += end + TAG_LEN;
         Ok(Some(frame))
     }
 
@@ -233,7 +241,8 @@ mod tests {
 
     fn pair() -> (FrameLink, FrameLink) {
         let (a, b) = tokio::net::UnixStream::pair().unwrap();
-        (FrameLink::unix(a, 1 << 20).unwrap(), FrameLink::unix(b, 1 << 20).unwrap())
+        let (sa, sb) = Session::pair_for_tests(1);
+        (FrameLink::unix(a, 1 << 20, sa).unwrap(), FrameLink::unix(b, 1 << 20, sb).unwrap())
     }
 
     async fn recv(l: &mut FrameLink) -> Vec<u8> {
@@ -259,6 +268,36 @@ mod tests {
         assert_eq!(second.len(), 5001);
         assert!(second[1..].iter().all(|&x| x == 9));
         assert!(recv(&mut b).await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_injected_or_altered_frame_is_refused() {
+        let (mut a, mut b) = pair();
+        // Written raw, as an attacker on the path would: a well-formed frame with a made-up tag.
+        let mut forged = 3u32.to_le_bytes().to_vec();
+        forged.extend_from_slice(b"END");
+        forged.extend_from_slice(&[0u8; TAG_LEN]);
+        assert_eq!(a.fd.get_ref().write(&forged).unwrap(), forged.len());
+        let e = recv_err(&mut b).await;
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("frame 0 of this connection failed its authentication tag"), "{e}");
+        // A genuine frame altered on the way.
+        let (mut a2, mut b2) = pair();
+        a2.queue(&[b"version 7"]).unwrap();
+        a2.outbound[4 + 8] = b'8';
+        a2.flush().unwrap();
+        assert_eq!(recv_err(&mut b2).await.kind(), io::ErrorKind::InvalidData);
+        a.send(&[b"fine"]).unwrap();
+    }
+
+    async fn recv_err(l: &mut FrameLink) -> io::Error {
+        loop {
+            match l.try_recv() {
+                Err(e) => return e,
+                Ok(Some(f)) => panic!("a forged frame was accepted: {f:?}"),
+                Ok(None) => tokio::time::timeout(Duration::from_secs(10), l.readable()).await.unwrap().unwrap(),
+            }
+        }
     }
 
     #[tokio::test]

@@ -21,12 +21,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 use crate::hot_wait::{Forecast, Next};
 use crate::link::FrameLink;
-use crate::net::{self, Hello, JobAuth, NetError};
+use crate::net::{self, Connection, Hello, JobAuth, NetError};
 use crate::patience::{Patience, Stall, StallSender};
 use crate::reservoir::Reservoir;
 
@@ -37,8 +37,9 @@ pub const MAGIC: [u8; 4] = *b"RCTL";
 /// batch is the columnar JSON form of [`crate::tq::BatchMeta`] (`keys`, `units`, `tokens`, `rows`
 /// per field, `tag_sets`, `tags`), no longer one object per sample. 4: a `Train` command's batch
 /// travels in the frame after the command, in the transfer queue's binary metadata layout
-/// ([`crate::tq::codec::encode_meta`]); the command says so with `attached`.
-pub const VERSION: u16 = 5;
+/// ([`crate::tq::codec::encode_meta`]); the command says so with `attached`. 6: every frame carries
+/// its tag ([`crate::net::mac`]).
+pub const VERSION: u16 = 6;
 
 /// What the coordinator asks a rank to do.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -349,14 +350,14 @@ impl ControlServer {
         stall: Option<StallSender>,
     ) -> Result<ControlServer, ControlError> {
         let index: HashMap<String, usize> = expected.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
-        let mut streams: Vec<Option<TcpStream>> = (0..expected.len()).map(|_| None).collect();
+        let mut streams: Vec<Option<Connection>> = (0..expected.len()).map(|_| None).collect();
         let mut connected = 0;
         // Each handshake on its own task: a connection that never speaks (a port scanner, a peer
         // that hung after connecting) holds up nobody but itself.
         let mut handshakes = tokio::task::JoinSet::new();
         let known: std::sync::Arc<HashSet<String>> = std::sync::Arc::new(expected.iter().cloned().collect());
         let mut patience = Patience::new("connecting");
-        let missing = |streams: &[Option<TcpStream>]| -> Vec<String> {
+        let missing = |streams: &[Option<Connection>]| -> Vec<String> {
             expected.iter().zip(streams).filter(|(_, s)| s.is_none()).map(|(n, _)| n.clone()).collect()
         };
         while connected < expected.len() {
@@ -377,7 +378,7 @@ impl ControlServer {
                             }
                         })
                         .await;
-                        hello.map(|h| (h.peer, stream))
+                        hello.map(|(h, session)| (h.peer, Connection { stream, session }))
                     });
                 }
                 Some(done) = handshakes.join_next(), if !handshakes.is_empty() => match done {
@@ -407,8 +408,10 @@ impl ControlServer {
         }
         let mut links = Vec::with_capacity(expected.len());
         for (name, s) in expected.iter().zip(streams) {
-            let link = FrameLink::tcp(s.expect("every rank connected"), net::MAX_FRAME).map_err(|e| {
-                ControlError::Net { rank: name.clone(), source: NetError::io("taking over the connection", name, e) }
+            let c = s.expect("every rank connected");
+            let link = FrameLink::tcp(c.stream, net::MAX_FRAME, c.session).map_err(|e| ControlError::Net {
+                rank: name.clone(),
+                source: NetError::io("taking over the connection", name, e),
             })?;
             links.push(link);
         }
@@ -762,8 +765,8 @@ impl ControlClient {
         let wrap = |source| ControlError::Net { rank: name.into(), source };
         let mut s = net::connect_retry(addr, deadline, "the coordinator's control channel").await.map_err(wrap)?;
         let hello = Hello { magic: MAGIC, version: VERSION, peer: name.into(), extra: vec![] };
-        net::send_hello(&mut s, auth, &hello, deadline, addr).await.map_err(wrap)?;
-        let link = FrameLink::tcp(s, net::MAX_FRAME)
+        let session = net::send_hello(&mut s, auth, &hello, deadline, addr).await.map_err(wrap)?;
+        let link = FrameLink::tcp(s, net::MAX_FRAME, session)
             .map_err(|e| wrap(NetError::io("taking over the connection", "coordinator", e)))?;
         Ok(ControlClient {
             link,
@@ -1050,7 +1053,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(60);
         let names = vec!["gen-0".to_string(), "trainer-0".to_string()];
         let auth = JobAuth::new("tok", &[3; rlplane_api::plan::JOB_KEY_LEN]);
-        let _silent = TcpStream::connect(&addr).await.unwrap();
+        let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
         let (tx, mut rx) = tokio::sync::watch::channel(None);
         let server = tokio::spawn({
             let auth = auth.clone();

@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rlplane::control::{self, Command, ControlClient, ControlServer, Reply};
-use rlplane::net::{self, CHALLENGE_LEN, HELLO_CHALLENGE, HELLO_OK, HELLO_REFUSED, Hello, JobAuth, NONCE_LEN};
+use rlplane::net::{
+    self, CHALLENGE_LEN, FrameMac, HELLO_CHALLENGE, HELLO_OK, HELLO_REFUSED, Hello, JobAuth, NONCE_LEN,
+};
 use rlplane::refit::plan::RefitPlan;
 use rlplane::tq::codec::{
     self, Block, Body, CONTROLLER_MAGIC, FANOUT_MAGIC, Header, STORAGE_MAGIC, WIRE_VERSION, encode_message_bytes,
@@ -110,7 +112,7 @@ async fn forge(addr: &str, token: &str, key: &[u8; 32], hello: &Hello, payload: 
 fn record(auth: &JobAuth, hello: &Hello) -> Vec<u8> {
     let ours = auth.client_hello(hello).unwrap();
     let (_, challenge) = auth.open_hello(ours.bytes(), hello.magic, hello.version).unwrap();
-    let proof = ours.answer(auth, challenge.bytes()).unwrap();
+    let (proof, _) = ours.answer(auth, challenge.bytes()).unwrap();
     challenge.verify(auth, &proof).expect("the recorded handshake is valid");
     let mut wire = (ours.bytes().len() as u32).to_le_bytes().to_vec();
     wire.extend_from_slice(ours.bytes());
@@ -156,21 +158,28 @@ fn header(token: &str) -> Header {
     Header { version: WIRE_VERSION, request_id: 1, token: token.into() }
 }
 
-/// A valid put of 3 samples to partition `p`.
-fn put_message(token: &str) -> Vec<u8> {
+/// A valid put of 3 samples to partition `p`, tagged for a connection's next frames (`mac`), or
+/// untagged for an attacker who has none.
+fn put_message(token: &str, mac: Option<&mut FrameMac>) -> Vec<u8> {
     let ids = Column::ragged("ids", &[&[1i64, 2][..], &[3][..], &[4, 5, 6][..]]);
     let block = Block { n: 3, columns: vec![(ids.spec().clone(), ids.nbytes() as u64)] };
     let body = Body::Put { partition: "p".into(), keys: vec!["a".into(), "b".into(), "c".into()], block };
     let off = codec::encode_offsets(ids.offsets());
-    encode_message_bytes(&header(token), &body, &[&off, ids.values()])
+    match mac {
+        Some(mac) => codec::tag_message_bytes(mac, &header(token), &body, &[&off, ids.values()]),
+        None => encode_message_bytes(&header(token), &body, &[&off, ids.values()]),
+    }
 }
 
-/// A valid registration of one sample of partition `p`.
-fn register_message(token: &str) -> Vec<u8> {
+/// A valid registration of one sample of partition `p`, tagged as [`put_message`].
+fn register_message(token: &str, mac: Option<&mut FrameMac>) -> Vec<u8> {
     let mut meta = BatchMeta::builder("p", vec![FieldSpec::ragged("ids", DType::I64)]);
     meta.push("a", 0, 2, &[2], &SampleTags::default()).unwrap();
     let meta = meta.finish();
-    encode_message_bytes(&header(token), &Body::Register(meta), &[])
+    match mac {
+        Some(mac) => codec::tag_message_bytes(mac, &header(token), &Body::Register(meta), &[]),
+        None => encode_message_bytes(&header(token), &Body::Register(meta), &[]),
+    }
 }
 
 #[tokio::test]
@@ -210,14 +219,14 @@ async fn a_storage_unit_admits_only_the_key_holder_and_stores_nothing_for_the_ot
     let addr = listener.local_addr().unwrap().to_string();
     tokio::spawn(StorageServer::new(unit.clone(), &e.current, Duration::from_secs(5)).serve(listener));
     let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: "gen-0".into(), extra: vec![] };
-    attack(&addr, &e, &hello, &put_message(e.current.token())).await;
+    attack(&addr, &e, &hello, &put_message(e.current.token(), None)).await;
     assert_eq!(unit.used(), 0, "nothing an attacker sent was stored");
     // The key holder puts.
     let mut s = net::connect_retry(&addr, deadline(), "storage").await.unwrap();
-    net::send_hello(&mut s, &e.current, &hello, deadline(), &addr).await.unwrap();
-    s.write_all(&put_message(e.current.token())).await.unwrap();
+    let mut session = net::send_hello(&mut s, &e.current, &hello, deadline(), &addr).await.unwrap();
+    s.write_all(&put_message(e.current.token(), Some(&mut session.send))).await.unwrap();
     let mut buf = Vec::new();
-    let (_, reply) = codec::read_message(&mut s, &mut buf).await.unwrap();
+    let (_, reply) = codec::read_message(&mut s, &mut session.recv, &mut buf).await.unwrap();
     assert!(matches!(reply, Body::Stored { .. }), "{reply:?}");
     assert!(unit.used() > 0);
 }
@@ -232,13 +241,13 @@ async fn the_tq_controller_admits_only_the_key_holder_and_registers_nothing_for_
         TqController::new(ControllerConfig { auth: e.current.clone(), lease: Duration::from_secs(30), units });
     tokio::spawn(controller.clone().serve(listener));
     let hello = Hello { magic: CONTROLLER_MAGIC, version: WIRE_VERSION, peer: "gen-0".into(), extra: vec![] };
-    attack(&addr, &e, &hello, &register_message(e.current.token())).await;
+    attack(&addr, &e, &hello, &register_message(e.current.token(), None)).await;
     assert!(controller.status("p").is_none(), "nothing an attacker sent was registered");
     let mut s = net::connect_retry(&addr, deadline(), "controller").await.unwrap();
-    net::send_hello(&mut s, &e.current, &hello, deadline(), &addr).await.unwrap();
-    s.write_all(&register_message(e.current.token())).await.unwrap();
+    let mut session = net::send_hello(&mut s, &e.current, &hello, deadline(), &addr).await.unwrap();
+    s.write_all(&register_message(e.current.token(), Some(&mut session.send))).await.unwrap();
     let mut buf = Vec::new();
-    let (_, reply) = codec::read_message(&mut s, &mut buf).await.unwrap();
+    let (_, reply) = codec::read_message(&mut s, &mut session.recv, &mut buf).await.unwrap();
     assert!(!matches!(reply, Body::Error { .. }), "{reply:?}");
     assert_eq!(controller.status("p").unwrap().samples, 1);
 }
@@ -295,7 +304,7 @@ async fn a_tcp_refit_sender_admits_only_the_key_holder() {
     // The stream's sender (process 0) and the plan identity, as a relay child presents them.
     let mut extra = 0u32.to_le_bytes().to_vec();
     extra.extend_from_slice(&id.encode());
-    let hello = Hello { magic: tcp::HELLO_MAGIC, version: 1, peer: "gen-0".into(), extra };
+    let hello = Hello { magic: tcp::HELLO_MAGIC, version: tcp::PROTOCOL_VERSION, peer: "gen-0".into(), extra };
     attack(&addr, &e, &hello, &[7u8; 4096]).await;
     assert!(!sender.is_finished(), "no attacker took gen-0's place");
     let options = TcpOptions::default();
@@ -318,7 +327,7 @@ async fn the_nccl_rendezvous_gives_its_unique_id_only_to_the_key_holder() {
     });
     // The attackers are refused before the id is sent: `forge` and `replay` check that nothing
     // follows the refusal.
-    let hello = Hello { magic: nccl::MAGIC, version: 1, peer: "gen-0".into(), extra: id.encode().to_vec() };
+    let hello = Hello { magic: nccl::MAGIC, version: nccl::VERSION, peer: "gen-0".into(), extra: id.encode().to_vec() };
     attack(&addr, &e, &hello, b"").await;
     assert!(!root.is_finished(), "no attacker took gen-0's place");
     let (got, rank, world, _conn) = nccl::fetch_unique_id("gen-0", &addr, &id, &e.current, deadline()).await.unwrap();

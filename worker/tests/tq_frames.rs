@@ -1,5 +1,6 @@
 //! Malformed frames: random and mutated messages against the decoders and against a live storage
-//! unit on a real socket. Never a panic, never a hang, never a corrupted store; a bad token in a
+//! unit on a real socket, sent by a peer that holds the job's key (so the frames carry valid tags
+//! and reach the decoders). Never a panic, never a hang, never a corrupted store; a bad token in a
 //! message header gets an error reply.
 
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use rlplane::net::{self, Hello, JobAuth};
+use rlplane::net::{self, FrameMac, Hello, JobAuth, RECORD_BYTES, Session};
 use rlplane::tq::codec::{
     self, Block, Body, ErrorCode, Header, STORAGE_MAGIC, WIRE_VERSION, decode, decode_message_bytes,
     encode_message_bytes,
@@ -119,19 +120,53 @@ proptest! {
     }
 }
 
-async fn connect(addr: &str) -> TcpStream {
+async fn connect(addr: &str) -> (TcpStream, Session) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let mut s = net::connect_retry(addr, deadline, "test").await.unwrap();
     let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: "fuzzer".into(), extra: vec![] };
-    net::send_hello(&mut s, &auth(), &hello, deadline, addr).await.unwrap();
-    s
+    let session = net::send_hello(&mut s, &auth(), &hello, deadline, addr).await.unwrap();
+    (s, session)
 }
 
 async fn ping(addr: &str) -> Body {
-    let mut s = connect(addr).await;
-    codec::write_message(&mut s, &header(), &Body::Ping).await.unwrap();
+    let (mut s, mut session) = connect(addr).await;
+    codec::write_message(&mut s, &mut session.send, &header(), &Body::Ping).await.unwrap();
     let mut buf = Vec::new();
-    codec::read_message(&mut s, &mut buf).await.unwrap().1
+    codec::read_message(&mut s, &mut session.recv, &mut buf).await.unwrap().1
+}
+
+/// `msg` (untagged, as `encode_message_bytes` lays it out, possibly mutated) with the tags a
+/// key holder adds where the unit will look for them: after the header frame, and after each
+/// record of every buffer frame the header declares, as far as the bytes follow the declaration.
+fn tagged(mac: &mut FrameMac, msg: &[u8]) -> Vec<u8> {
+    let Some(len) = msg.get(..4).map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize) else {
+        return msg.to_vec();
+    };
+    if len > codec::MAX_HEADER as usize || msg.len() < 4 + len {
+        return msg.to_vec();
+    }
+    let frame = &msg[4..4 + len];
+    let mut out = msg[..4 + len].to_vec();
+    out.extend_from_slice(&mac.tag(&[frame]));
+    let mut rest = &msg[4 + len..];
+    if let Some(block) = decode(frame).ok().and_then(|(_, b)| b.block().cloned()) {
+        for want in block.buffer_lens() {
+            let Some(got) = rest.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap())) else { break };
+            out.extend_from_slice(&rest[..8]);
+            rest = &rest[8..];
+            if got != want {
+                break;
+            }
+            let n = (got as usize).min(rest.len());
+            for record in rest[..n].chunks(RECORD_BYTES) {
+                out.extend_from_slice(record);
+                out.extend_from_slice(&mac.tag(&[record]));
+            }
+            rest = &rest[n..];
+        }
+    }
+    out.extend_from_slice(rest);
+    out
 }
 
 static PANICKED: AtomicBool = AtomicBool::new(false);
@@ -163,8 +198,8 @@ fn a_live_storage_unit_survives_mutated_frames_with_its_store_intact() {
             let base = if which == 0 { put_message(5) } else { other_messages()[which - 1].clone() };
             let msg = mutate(base, &muts);
             rt.block_on(async {
-                let mut s = connect(&addr).await;
-                s.write_all(&msg).await.unwrap();
+                let (mut s, mut session) = connect(&addr).await;
+                s.write_all(&tagged(&mut session.send, &msg)).await.unwrap();
                 s.shutdown().await.unwrap();
                 // The unit answers and/or closes; it must not hang once our side is done.
                 let mut sink = Vec::new();
@@ -197,7 +232,7 @@ async fn a_message_with_another_token_gets_an_error_reply_and_the_connection_goe
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     tokio::spawn(StorageServer::new(unit.clone(), &auth(), Duration::from_secs(1)).serve(listener));
-    let mut s = connect(&addr).await;
+    let (mut s, mut session) = connect(&addr).await;
     // A put under another token: its buffers are skipped, the reply names the token.
     let mut msg = put_message(3);
     let stale = Header { version: WIRE_VERSION, request_id: 9, token: "e1-other".into() };
@@ -207,9 +242,9 @@ async fn a_message_with_another_token_gets_an_error_reply_and_the_connection_goe
     );
     let old_len = u32::from_le_bytes(msg[..4].try_into().unwrap()) as usize;
     msg.splice(0..4 + old_len, (frame.len() as u32).to_le_bytes().into_iter().chain(frame));
-    s.write_all(&msg).await.unwrap();
+    s.write_all(&tagged(&mut session.send, &msg)).await.unwrap();
     let mut buf = Vec::new();
-    match codec::read_message(&mut s, &mut buf).await.unwrap() {
+    match codec::read_message(&mut s, &mut session.recv, &mut buf).await.unwrap() {
         (h, Body::Error { code, message }) => {
             assert_eq!(h.request_id, 9);
             assert_eq!(code, ErrorCode::Token);
@@ -218,8 +253,9 @@ async fn a_message_with_another_token_gets_an_error_reply_and_the_connection_goe
         other => panic!("{other:?}"),
     }
     assert_eq!(unit.used(), 0);
-    codec::write_message(&mut s, &header(), &Body::Ping).await.unwrap();
-    assert!(matches!(codec::read_message(&mut s, &mut buf).await.unwrap().1, Body::Pong { unit: 5, .. }));
+    codec::write_message(&mut s, &mut session.send, &header(), &Body::Ping).await.unwrap();
+    let pong = codec::read_message(&mut s, &mut session.recv, &mut buf).await.unwrap().1;
+    assert!(matches!(pong, Body::Pong { unit: 5, .. }));
     // A hello with another token is refused at the door.
     let mut s = net::connect_retry(&addr, tokio::time::Instant::now() + Duration::from_secs(5), "t").await.unwrap();
     let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: "x".into(), extra: vec![] };

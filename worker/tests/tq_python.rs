@@ -1,8 +1,10 @@
 //! The wire format as `docs/transfer-queue.md` documents it, spoken by a Python peer (plain
 //! sockets + numpy): it puts into a storage unit, registers with the controller, claims, gets and
-//! acknowledges; a Rust client then reads the Python-put samples in another group. Skipped, saying
-//! so, where python3 with numpy is not installed (failing instead with `RLPLANE_TOOLS_REQUIRED=1` or
-//! `RLPLANE_PYTHON_REQUIRED=1`: scripts/test sets `RLPLANE_PYTHON` to its venv, which has numpy).
+//! acknowledges, tagging every frame and record it sends and checking every one it receives (keyed
+//! BLAKE3, the `blake3` package); a Rust client then reads the Python-put samples in another
+//! group. Skipped, saying so, where python3 with numpy and blake3 is not installed (failing instead
+//! with `RLPLANE_TOOLS_REQUIRED=1` or `RLPLANE_PYTHON_REQUIRED=1`: scripts/test sets
+//! `RLPLANE_PYTHON` to its venv, which has both).
 
 mod tq_support;
 
@@ -17,6 +19,7 @@ use tq_support::*;
 const PRODUCER: &str = r#"
 import hashlib, hmac, os, socket, struct, sys
 import numpy as np
+from blake3 import blake3
 
 token, key_file, ctl_host, ctl_port, unit_host, unit_port, unit_id = sys.argv[1:8]
 unit_id = int(unit_id)
@@ -35,22 +38,49 @@ def recv_exact(sock, n):
         got += k
     return bytes(buf)
 
+RECORD = 256 << 10
+
+class Conn:
+    """A connection after its handshake: every frame and record is tagged, every tag checked."""
+    def __init__(self, sock, send_key, recv_key):
+        self.sock, self.keys, self.n = sock, {"send": send_key, "recv": recv_key}, {"send": 0, "recv": 0}
+    def tag(self, way, b):
+        t = blake3(struct.pack("<Q", self.n[way]) + bytes(b), key=self.keys[way]).digest(length=16)
+        self.n[way] += 1
+        return t
+    def frame(self, b): self.sock.sendall(struct.pack("<I", len(b)) + b + self.tag("send", b))
+    def buffer(self, b):
+        b = memoryview(b).cast("B")
+        self.sock.sendall(struct.pack("<Q", len(b)))
+        for i in range(0, len(b), RECORD):
+            self.sock.sendall(b[i:i + RECORD]); self.sock.sendall(self.tag("send", b[i:i + RECORD]))
+    def check(self, b):
+        if not hmac.compare_digest(recv_exact(self.sock, 16), self.tag("recv", b)): raise RuntimeError("bad tag")
+    def recv_frame(self):
+        b = recv_exact(self.sock, struct.unpack("<I", recv_exact(self.sock, 4))[0]); self.check(b); return b
+    def recv_buffer(self, expected):
+        ln = struct.unpack("<Q", recv_exact(self.sock, 8))[0]; assert ln == expected, (ln, expected)
+        out = np.empty(ln, dtype=np.uint8); view = memoryview(out)
+        for i in range(0, ln, RECORD):
+            rec = view[i:i + RECORD]; self.sock.recv_into(rec, len(rec), socket.MSG_WAITALL); self.check(rec)
+        return out
+
 def connect(host, port, magic):
     sock = socket.create_connection((host, int(port)))
     def refused():
         n = struct.unpack("<I", recv_exact(sock, 4))[0]
         raise RuntimeError("refused: " + recv_exact(sock, n).decode())
-    hello = magic + struct.pack("<H", 2) + s(token) + s("py-peer") + struct.pack("<I", 0) + struct.pack("<I", 32) + os.urandom(32)
+    hello = magic + struct.pack("<H", 3) + s(token) + s("py-peer") + struct.pack("<I", 0) + struct.pack("<I", 32) + os.urandom(32)
     sock.sendall(frame(hello))
     if recv_exact(sock, 1) != b"\2": refused()
     challenge = recv_exact(sock, 64)
-    def proof(side): return hmac.new(key, b"rlplane handshake v1: " + side + b"\0" + struct.pack("<I", len(hello)) + hello + challenge[:32], hashlib.sha256).digest()
-    if not hmac.compare_digest(proof(b"accepting side"), challenge[32:]): raise RuntimeError("the listener does not hold the job key")
-    sock.sendall(b"\0" + proof(b"connecting side"))
+    def mac(label): return hmac.new(key, label + b"\0" + struct.pack("<I", len(hello)) + hello + challenge[:32], hashlib.sha256).digest()
+    if not hmac.compare_digest(mac(b"rlplane handshake v1: accepting side"), challenge[32:]): raise RuntimeError("the listener does not hold the job key")
+    sock.sendall(b"\0" + mac(b"rlplane handshake v1: connecting side"))
     if recv_exact(sock, 1) != b"\0": refused()
-    return sock
+    return Conn(sock, mac(b"rlplane frames v1: from the connecting side"), mac(b"rlplane frames v1: from the accepting side"))
 
-def header(kind, rid=1): return struct.pack("<HBBI", 2, kind, 0, rid) + s(token)
+def header(kind, rid=1): return struct.pack("<HBBI", 3, kind, 0, rid) + s(token)
 
 class R:
     def __init__(self, b): self.b, self.i = b, 0
@@ -73,10 +103,10 @@ class R:
         tags = [sets[t] for t in self.u32s(n)]
         return part, schema, [(keys[i], int(units[i]), int(tokens[i]), rows[:, i].tolist(), tags[i]) for i in range(n)]
 
-def reply(sock):
-    r = R(recv_exact(sock, struct.unpack("<I", recv_exact(sock, 4))[0]))
+def reply(conn):
+    r = R(conn.recv_frame())
     version, kind, _flags, _rid = r.u16(), r.u8(), r.u8(), r.u32(); r.str()
-    assert version == 2
+    assert version == 3
     if kind == 127: raise RuntimeError("error %d: %s" % (r.u16(), r.str()))
     return kind, r
 
@@ -94,9 +124,9 @@ block = struct.pack("<II", 3, 3) + spec("input_ids", "int64", 1) + struct.pack("
       + spec("emb", "float32", 0, (2,)) + struct.pack("<Q", emb.nbytes)
 
 unit = connect(unit_host, unit_port, b"TQSU")
-unit.sendall(frame(header(16) + s("py-step") + strs(keys) + block))
+unit.frame(header(16) + s("py-step") + strs(keys) + block)
 for buf in (offsets, values, reward, emb):
-    unit.sendall(struct.pack("<Q", buf.nbytes)); unit.sendall(memoryview(buf).cast("B"))
+    unit.buffer(buf)
 kind, r = reply(unit)
 assert kind == 68 and r.u64() == values.nbytes + reward.nbytes + emb.nbytes, kind
 
@@ -110,10 +140,10 @@ meta += np.array([len(x) for x in ids], dtype="<u4").tobytes()                  
 meta += np.array([[len(x) for x in ids], [1] * 3, [1] * 3], dtype="<u4").tobytes()    # rows, field by field
 meta += struct.pack("<II", 1, 1) + s("uid") + s("py")                                 # one tag set
 meta += np.zeros(3, dtype="<u4").tobytes()                                            # every sample: set 0
-ctl.sendall(frame(header(1) + meta))
+ctl.frame(header(1) + meta)
 assert reply(ctl)[0] == 64
 
-ctl.sendall(frame(header(2) + s("py-step") + s("py-group") + struct.pack("<II", 10, 0) + strs(["input_ids"])))
+ctl.frame(header(2) + s("py-step") + s("py-group") + struct.pack("<II", 10, 0) + strs(["input_ids"]))
 kind, r = reply(ctl)
 assert kind == 65
 claim_id, _lease = r.u64(), r.u64()
@@ -122,20 +152,15 @@ claimed = [k for k, *_ in samples]
 assert sorted(claimed) == keys, claimed
 assert all(tags == [("uid", "py")] for *_, tags in samples)
 
-unit.sendall(frame(header(17, 2) + s("py-step") + strs(claimed) + strs(["input_ids", "reward", "emb"])))
+unit.frame(header(17, 2) + s("py-step") + strs(claimed) + strs(["input_ids", "reward", "emb"]))
 kind, r = reply(unit)
 assert kind == 69
 n, ncols = r.u32(), r.u32()
 cols = [(r.spec(), r.u64()) for _ in range(ncols)]
 got = {}
 for (name, dtype, ragged, inner), nbytes in cols:
-    off = None
-    if ragged:
-        ln = struct.unpack("<Q", recv_exact(unit, 8))[0]; assert ln == (n + 1) * 8
-        off = np.frombuffer(recv_exact(unit, ln), dtype="<u8")
-    ln = struct.unpack("<Q", recv_exact(unit, 8))[0]; assert ln == nbytes
-    buf = np.empty(nbytes, dtype=np.uint8); unit.recv_into(memoryview(buf), nbytes, socket.MSG_WAITALL)
-    got[name] = (off, buf.view("<i8" if dtype == 8 else "<f4"))
+    off = unit.recv_buffer((n + 1) * 8).view("<u8") if ragged else None
+    got[name] = (off, unit.recv_buffer(nbytes).view("<i8" if dtype == 8 else "<f4"))
 order = {k: i for i, k in enumerate(keys)}
 for j, k in enumerate(claimed):
     off, v = got["input_ids"]
@@ -143,7 +168,7 @@ for j, k in enumerate(claimed):
     assert got["reward"][1][j] == reward[order[k]]
     assert np.array_equal(got["emb"][1].reshape(n, 2)[j], emb[order[k]])
 
-ctl.sendall(frame(header(3) + s("py-step") + s("py-group") + struct.pack("<Q", claim_id) + strs(claimed)))
+ctl.frame(header(3) + s("py-step") + s("py-group") + struct.pack("<Q", claim_id) + strs(claimed))
 kind, r = reply(ctl)
 assert kind == 66 and r.u32() == 3
 print("OK")
@@ -156,7 +181,7 @@ fn python() -> String {
 
 fn python_with_numpy() -> bool {
     std::process::Command::new(python())
-        .args(["-c", "import numpy"])
+        .args(["-c", "import numpy, blake3"])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
@@ -171,14 +196,15 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
             .any(|v| std::env::var(v).as_deref() == Ok("1"));
         assert!(
             python_skipped || !required,
-            "{} with numpy is needed (RLPLANE_TOOLS_REQUIRED=1: scripts/test sets RLPLANE_PYTHON to its venv)",
+            "{} with numpy and blake3 is needed (RLPLANE_TOOLS_REQUIRED=1: scripts/test sets RLPLANE_PYTHON to its \
+             venv)",
             python()
         );
         // The stderr handle, not eprintln!: the harness would capture it for a passing test.
         use std::io::Write as _;
         let _ = writeln!(
             std::io::stderr(),
-            "SKIPPED: python3 with numpy is not installed (pip install numpy to run this test)"
+            "SKIPPED: python3 with numpy and blake3 is not installed (pip install numpy blake3 to run this test)"
         );
         return;
     }

@@ -201,10 +201,10 @@ impl IpcTransport {
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         };
-        let sender_gpu = say_hello(&mut stream, me, endpoint, &plan.identity(), auth, deadline).await?;
+        let (sender_gpu, session) = say_hello(&mut stream, me, endpoint, &plan.identity(), auth, deadline).await?;
         let copier = copier_for(gpu, sender_gpu);
         let state = ReceiverState {
-            sender: FrameLink::unix(stream, MAX_FRAME)
+            sender: FrameLink::unix(stream, MAX_FRAME, session)
                 .map_err(|e| io_err(endpoint, "taking over the connection", e))?,
             mapped: HashMap::new(),
             announced: HashMap::new(),
@@ -459,8 +459,8 @@ fn st_mapped(st: &ReceiverState, key: u32) -> Option<CUdeviceptr> {
 /// Handshake magic of the CUDA IPC control channel (the [`rlplane_wire::net`] handshake, on its Unix
 /// socket).
 pub const IPC_MAGIC: [u8; 4] = *b"RIPC";
-/// 2: frames on a Unix stream socket instead of zeromq messages.
-const IPC_VERSION: u16 = 2;
+/// 2: frames on a Unix stream socket instead of zeromq messages. 3: every frame carries its tag.
+const IPC_VERSION: u16 = 3;
 
 /// The socket path of an `ipc://` endpoint.
 fn socket_path(endpoint: &str) -> Result<&str, TransportError> {
@@ -540,7 +540,7 @@ async fn admit(
     deadline: Instant,
 ) -> Result<Peer, TransportError> {
     let peer = "a CUDA IPC receiver";
-    let hello = net::accept_hello_on(&mut stream, peer, auth, IPC_MAGIC, IPC_VERSION, deadline, |h| {
+    let (hello, mut session) = net::accept_hello_on(&mut stream, peer, auth, IPC_MAGIC, IPC_VERSION, deadline, |h| {
         if !receivers.contains(&h.peer) {
             return Err(format!("`{}` is not a receiver of this sender", h.peer));
         }
@@ -553,15 +553,19 @@ async fn admit(
     .await?;
     // The welcome names this GPU, so a receiver on another GPU can push from it.
     net::until(deadline, "welcoming", &hello.peer, async {
-        net::write_frame(&mut stream, &ordinal.to_le_bytes()).await.map_err(|e| net::NetError::io("welcoming", peer, e))
+        net::write_tagged_frame(&mut stream, &mut session.send, &ordinal.to_le_bytes())
+            .await
+            .map_err(|e| net::NetError::io("welcoming", peer, e))
     })
     .await?;
-    let link = FrameLink::unix(stream, MAX_FRAME).map_err(|e| io_err(&hello.peer, "taking over the connection", e))?;
+    let link = FrameLink::unix(stream, MAX_FRAME, session)
+        .map_err(|e| io_err(&hello.peer, "taking over the connection", e))?;
     Ok(Peer { name: hello.peer, link })
 }
 
 /// A receiver's side of the handshake: the [`rlplane_wire::net`] handshake as `me` with this plan's
 /// identity (a sender without the epoch's key is refused), then the sender's welcome: its GPU.
+/// Returns that and the connection's frame keys.
 async fn say_hello(
     stream: &mut UnixStream,
     me: &str,
@@ -569,18 +573,18 @@ async fn say_hello(
     identity: &PlanIdentity,
     auth: &JobAuth,
     deadline: Instant,
-) -> Result<Option<u32>, TransportError> {
+) -> Result<(Option<u32>, net::Session), TransportError> {
     let hello =
         net::Hello { magic: IPC_MAGIC, version: IPC_VERSION, peer: me.into(), extra: identity.encode().to_vec() };
-    net::send_hello(stream, auth, &hello, deadline, endpoint).await?;
+    let mut session = net::send_hello(stream, auth, &hello, deadline, endpoint).await?;
     let mut welcome = Vec::new();
     net::until(deadline, "waiting for the sender's welcome", endpoint, async {
-        net::read_frame(stream, &mut welcome, 64)
+        net::read_tagged_frame(stream, &mut session.recv, &mut welcome, 64)
             .await
             .map_err(|e| net::NetError::io("waiting for the sender's welcome", endpoint, e))
     })
     .await?;
-    Ok(welcome.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))))
+    Ok((welcome.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))), session))
 }
 
 impl Transport for IpcTransport {
@@ -874,9 +878,9 @@ mod tests {
     async fn attempt(path: &str, auth: &JobAuth, hello: &net::Hello) -> Result<Option<u32>, String> {
         let mut s = UnixStream::connect(path).await.unwrap();
         match net::send_hello(&mut s, auth, hello, deadline(), "sender").await {
-            Ok(()) => {
+            Ok(mut session) => {
                 let mut w = Vec::new();
-                net::read_frame(&mut s, &mut w, 64).await.unwrap();
+                net::read_tagged_frame(&mut s, &mut session.recv, &mut w, 64).await.unwrap();
                 Ok(w.get(..4).map(|b| u32::from_le_bytes(b.try_into().unwrap())))
             }
             Err(e) => Err(e.to_string()),
@@ -908,7 +912,7 @@ mod tests {
         // A replay: a valid hello, answered with a proof recorded for another challenge.
         let ours = auth.client_hello(&hello("gen-0", &id)).unwrap();
         let (_, other) = auth.open_hello(ours.bytes(), IPC_MAGIC, IPC_VERSION).unwrap();
-        let recorded = ours.answer(&auth, other.bytes()).unwrap();
+        let (recorded, _) = ours.answer(&auth, other.bytes()).unwrap();
         let mut s = UnixStream::connect(&path).await.unwrap();
         net::write_frame(&mut s, ours.bytes()).await.unwrap();
         let mut challenge = [0u8; 1 + net::CHALLENGE_LEN];

@@ -34,7 +34,8 @@ use rlplane_wire::net::{self, Hello, JobAuth};
 
 /// Handshake magic of the NCCL rendezvous.
 pub const MAGIC: [u8; 4] = *b"RNCL";
-const VERSION: u16 = 1;
+/// Version of the rendezvous protocol. 2: every message after the handshake carries its tag.
+pub const VERSION: u16 = 2;
 /// Bytes of an NCCL unique id.
 pub const UNIQUE_ID_LEN: usize = 128;
 const DONE: u8 = 0xD0;
@@ -57,7 +58,7 @@ pub struct NcclTransport {
     nccl_stream: Arc<CudaStream>,
     copy_stream: Arc<CudaStream>,
     /// Root: one connection per receiver; receiver: the connection to the root.
-    peers: Vec<(String, TcpStream)>,
+    peers: Vec<Rendezvous>,
     /// Root: receivers whose confirmation arrived while the root still waited on its buckets.
     confirmed: Vec<bool>,
     copy_busy: Duration,
@@ -105,8 +106,7 @@ impl NcclTransport {
         deadline: Instant,
     ) -> Result<NcclTransport, TransportError> {
         let (id, rank, world, s) = fetch_unique_id(me, root_addr, identity, auth, deadline).await?;
-        Self::join(name, false, gpu, &UniqueId(id), rank, world, vec![(root_addr.to_string(), s)], timeout, deadline)
-            .await
+        Self::join(name, false, gpu, &UniqueId(id), rank, world, vec![s], timeout, deadline).await
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -117,7 +117,7 @@ impl NcclTransport {
         id: &UniqueId,
         rank: usize,
         world: usize,
-        peers: Vec<(String, TcpStream)>,
+        peers: Vec<Rendezvous>,
         timeout: Duration,
         deadline: Instant,
     ) -> Result<NcclTransport, TransportError> {
@@ -156,17 +156,16 @@ impl NcclTransport {
     /// A peer whose rendezvous connection closed. While buckets move nothing else travels on it
     /// but a receiver's confirmation, which a root may see early: it is kept for `end`.
     fn dead_peer(&mut self) -> Option<String> {
-        let mut b = [0u8; 1];
-        for (i, (peer, s)) in self.peers.iter().enumerate() {
+        for (i, p) in self.peers.iter_mut().enumerate() {
             if self.confirmed[i] {
                 continue;
             }
-            match s.try_read(&mut b) {
-                Ok(0) => return Some(peer.clone()),
-                Ok(_) if self.root && b[0] == DONE => self.confirmed[i] = true,
-                Ok(_) => return Some(format!("{peer} (sent {:#x} in the middle of a refit)", b[0])),
-                Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => return Some(peer.clone()),
-                Err(_) => {}
+            match p.try_recv(1) {
+                Ok(None) => {}
+                Ok(Some(b)) if self.root && b[0] == DONE => self.confirmed[i] = true,
+                Ok(Some(b)) => return Some(format!("{} (sent {:#x} in the middle of a refit)", p.peer, b[0])),
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => return Some(format!("{} ({e})", p.peer)),
+                Err(_) => return Some(p.peer.clone()),
             }
         }
         None
@@ -206,26 +205,14 @@ impl Transport for NcclTransport {
         self.check_usable()?;
         match version {
             Some(v) => {
-                for (peer, s) in &mut self.peers {
-                    net::until(deadline, "announcing the version", peer, async {
-                        s.write_all(&v.to_le_bytes())
-                            .await
-                            .map_err(|e| net::NetError::io("announcing the version", peer.as_str(), e))
-                    })
-                    .await?;
+                for p in &mut self.peers {
+                    p.send(&v.to_le_bytes(), "announcing the version", deadline).await?;
                 }
                 Ok(v)
             }
             None => {
-                let (peer, s) = &mut self.peers[0];
-                let mut b = [0u8; 8];
-                net::until(deadline, "waiting for the refit to start", peer, async {
-                    s.read_exact(&mut b)
-                        .await
-                        .map_err(|e| net::NetError::io("waiting for the refit's version", peer.as_str(), e))
-                })
-                .await?;
-                Ok(u64::from_le_bytes(b))
+                let b = self.peers[0].recv(8, "waiting for the refit's version", deadline).await?;
+                Ok(u64::from_le_bytes(b[..].try_into().expect("8 bytes")))
             }
         }
     }
@@ -309,27 +296,20 @@ impl Transport for NcclTransport {
         let _ = version;
         if self.root {
             let early = std::mem::replace(&mut self.confirmed, vec![false; self.peers.len()]);
-            for ((peer, s), early) in self.peers.iter_mut().zip(early) {
+            for (p, early) in self.peers.iter_mut().zip(early) {
                 if early {
                     continue;
                 }
-                let mut b = [0u8; 1];
-                net::until(deadline, "waiting for a receiver's confirmation", peer, async {
-                    s.read_exact(&mut b)
-                        .await
-                        .map_err(|e| net::NetError::io("waiting for a confirmation", peer.as_str(), e))
-                })
-                .await?;
+                let b = p.recv(1, "waiting for a receiver's confirmation", deadline).await?;
                 if b[0] != DONE {
                     return Err(TransportError::Protocol {
-                        peer: peer.clone(),
+                        peer: p.peer.clone(),
                         detail: format!("confirmation byte {:#x}", b[0]),
                     });
                 }
             }
         } else {
-            let (peer, s) = &mut self.peers[0];
-            s.write_all(&[DONE]).await.map_err(|e| net::NetError::io("confirming the refit", peer.as_str(), e))?;
+            self.peers[0].send(&[DONE], "confirming the refit", deadline).await?;
         }
         Ok(())
     }
@@ -371,9 +351,9 @@ pub async fn publish_unique_id(
     auth: &JobAuth,
     id: &[u8; UNIQUE_ID_LEN],
     deadline: Instant,
-) -> Result<Vec<(String, TcpStream)>, TransportError> {
+) -> Result<Vec<Rendezvous>, TransportError> {
     let world = receivers.len() + 1;
-    let mut peers: Vec<Option<(String, TcpStream)>> = (0..receivers.len()).map(|_| None).collect();
+    let mut peers: Vec<Option<Rendezvous>> = (0..receivers.len()).map(|_| None).collect();
     let mut joined = 0;
     while joined < receivers.len() {
         let (mut s, _) = net::until(deadline, "waiting for NCCL receivers", name, async {
@@ -392,7 +372,7 @@ pub async fn publish_unique_id(
             Ok(())
         })
         .await;
-        let hello = match hello {
+        let (hello, mut session) = match hello {
             Ok(h) => h,
             Err(e) => {
                 tracing::warn!(error = %e, "refused an NCCL rendezvous");
@@ -405,13 +385,13 @@ pub async fn publish_unique_id(
         msg.extend_from_slice(id);
         msg.extend_from_slice(&(rank as u32).to_le_bytes());
         msg.extend_from_slice(&(world as u32).to_le_bytes());
-        net::write_frame(&mut s, &msg)
+        net::write_tagged_frame(&mut s, &mut session.send, &msg)
             .await
             .map_err(|e| net::NetError::io("sending the NCCL id", hello.peer.as_str(), e))?;
         if peers[rank - 1].is_none() {
             joined += 1;
         }
-        peers[rank - 1] = Some((hello.peer, s));
+        peers[rank - 1] = Some(Rendezvous::new(hello.peer, s, session));
     }
     Ok(peers.into_iter().map(|p| p.expect("every receiver joined")).collect())
 }
@@ -425,13 +405,13 @@ pub async fn fetch_unique_id(
     identity: &PlanIdentity,
     auth: &JobAuth,
     deadline: Instant,
-) -> Result<([u8; UNIQUE_ID_LEN], usize, usize, TcpStream), TransportError> {
+) -> Result<([u8; UNIQUE_ID_LEN], usize, usize, Rendezvous), TransportError> {
     let mut s = net::connect_retry(root_addr, deadline, "the NCCL rendezvous").await?;
     let hello = Hello { magic: MAGIC, version: VERSION, peer: me.into(), extra: identity.encode().to_vec() };
-    net::send_hello(&mut s, auth, &hello, deadline, root_addr).await?;
+    let mut session = net::send_hello(&mut s, auth, &hello, deadline, root_addr).await?;
     let mut buf = Vec::new();
     net::until(deadline, "receiving the NCCL unique id", root_addr, async {
-        net::read_frame(&mut s, &mut buf, 1024)
+        net::read_tagged_frame(&mut s, &mut session.recv, &mut buf, 1024)
             .await
             .map_err(|e| net::NetError::io("receiving the NCCL id", root_addr, e))
     })
@@ -445,5 +425,67 @@ pub async fn fetch_unique_id(
     let id: [u8; UNIQUE_ID_LEN] = buf[..UNIQUE_ID_LEN].try_into().expect("128 bytes");
     let rank = u32::from_le_bytes(buf[UNIQUE_ID_LEN..UNIQUE_ID_LEN + 4].try_into().expect("4 bytes")) as usize;
     let world = u32::from_le_bytes(buf[UNIQUE_ID_LEN + 4..].try_into().expect("4 bytes")) as usize;
-    Ok((id, rank, world, s))
+    Ok((id, rank, world, Rendezvous::new(root_addr.into(), s, session)))
+}
+
+/// A rendezvous connection kept for the communicator's life: versions, confirmations and liveness,
+/// every message tagged ([`net::mac`]).
+pub struct Rendezvous {
+    /// The peer's name (a receiver) or address (the root).
+    peer: String,
+    stream: TcpStream,
+    session: net::Session,
+    /// Bytes of a message read before the rest of it arrived.
+    inbound: Vec<u8>,
+}
+
+impl Rendezvous {
+    fn new(peer: String, stream: TcpStream, session: net::Session) -> Rendezvous {
+        Rendezvous { peer, stream, session, inbound: Vec::new() }
+    }
+
+    /// Sends `msg` and its tag.
+    async fn send(&mut self, msg: &[u8], what: &str, deadline: Instant) -> Result<(), TransportError> {
+        let mut b = msg.to_vec();
+        b.extend_from_slice(&self.session.send.tag(&[msg]));
+        let (peer, s) = (self.peer.as_str(), &mut self.stream);
+        net::until(deadline, what, peer, async { s.write_all(&b).await.map_err(|e| net::NetError::io(what, peer, e)) })
+            .await?;
+        Ok(())
+    }
+
+    /// Receives a message of `len` bytes and checks its tag.
+    async fn recv(&mut self, len: usize, what: &str, deadline: Instant) -> Result<Vec<u8>, TransportError> {
+        let want = len + net::TAG_LEN;
+        let (peer, s, inbound) = (self.peer.as_str(), &mut self.stream, &mut self.inbound);
+        let have = inbound.len();
+        inbound.resize(want, 0);
+        net::until(deadline, what, peer, async {
+            s.read_exact(&mut inbound[have..]).await.map_err(|e| net::NetError::io(what, peer, e))
+        })
+        .await?;
+        self.open(len).map_err(|e| net::NetError::io(what, &self.peer, e).into())
+    }
+
+    /// A message of `len` bytes if it has arrived whole, without waiting.
+    fn try_recv(&mut self, len: usize) -> std::io::Result<Option<Vec<u8>>> {
+        let want = len + net::TAG_LEN;
+        while self.inbound.len() < want {
+            let mut b = [0u8; 64];
+            let room = want - self.inbound.len();
+            match self.stream.try_read(&mut b[..room.min(64)]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => self.inbound.extend_from_slice(&b[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        self.open(len).map(Some)
+    }
+
+    fn open(&mut self, len: usize) -> std::io::Result<Vec<u8>> {
+        let b = std::mem::take(&mut self.inbound);
+        self.session.recv.check(&[&b[..len]], &b[len..])?;
+        Ok(b[..len].to_vec())
+    }
 }

@@ -21,11 +21,23 @@
 //! Connections are made once and reused for every refit.
 //!
 //! # Wire protocol, per refit
-//! Parent → child: a 24-byte header (`RFHD`, version, stream bytes), then the stream's bytes:
+//! Parent → child: a 24-byte header (`RFHD`, record bytes, version, stream bytes), then the
+//! stream's bytes:
 //! every segment of every bucket in plan order, densely (no padding, no per-bucket metadata).
 //! Child → parent: a 16-byte acknowledgement (`RFAK`, version) once the child has its complete
 //! weights and every child of its own has acknowledged. A closed connection is a dead peer.
+//!
+//! Every message is followed by its tag ([`net::mac`], keys from the connection's handshake), and
+//! a bucket's bytes are cut into records, each followed by its tag. The root picks the record size
+//! (the relay chunk, at most [`net::RECORD_BYTES`]) and the header carries it down the tree, so
+//! every hop cuts the stream alike. Tags are made and checked on helper threads ([`net::MacPool`]) beside the socket I/O:
+//! the sender tags records ahead of writing them, a leaf checks a record while the next one
+//! arrives, and a relay forwards a record's bytes while checking them but sends its children the
+//! record's tag only once the bytes checked out, so a child never accepts a record its parent did
+//! not. A bucket completes only when every record of it checked out, so a version is never
+//! published over bytes that did not.
 
+use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,12 +53,12 @@ use tokio::time::Instant;
 use super::{Piece, Transport, TransportError};
 use crate::memory::{AccessFence, Copy2d, HostBuffer, HostCopyStream, MemorySpace, Region};
 use crate::plan::PlanIdentity;
-use rlplane_wire::net::{self, Hello, JobAuth, NetError};
+use rlplane_wire::net::{self, FrameKey, Hello, JobAuth, MacPool, NetError, Pending, Session, Span, TAG_LEN, Tag};
 
 /// Handshake magic of refit connections.
 pub const HELLO_MAGIC: [u8; 4] = *b"RFIT";
-/// Version of this wire protocol.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version of this wire protocol. 2: every message and record carries its tag.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Start of a refit refusal reason that is a plan mismatch (so the connecting side can tell).
 const PLAN_MISMATCH_PREFIX: &str = "refit plans differ";
 
@@ -56,6 +68,12 @@ const ACK_MAGIC: [u8; 4] = *b"RFAK";
 const ACK_LEN: usize = 16;
 /// Slices per vectored read or write.
 const MAX_IOV: usize = 64;
+/// Records a sender tags ahead of the one it writes.
+const TAG_AHEAD: usize = 4;
+/// Records a leaf may have arrived and not yet checked.
+const CHECKS_IN_FLIGHT: usize = 8;
+/// Helper threads per transport that tag and check records.
+const MAC_THREADS: usize = 2;
 
 /// One member of a stream: its process, name and refit addresses.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -155,7 +173,9 @@ impl Route {
 /// Tuning of the TCP transport.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TcpOptions {
-    /// Bytes a relay receives before forwarding them to its children (the pipeline's grain).
+    /// Bytes a relay receives before forwarding them to its children (the pipeline's grain), which
+    /// are also the bytes of a tagged record: at most [`net::RECORD_BYTES`], larger values are
+    /// cut to it. The root's setting holds for the whole stream.
     pub relay_chunk_bytes: u64,
     /// Children per relay node: 1 = chain (default), 2 = binary tree, ...
     pub fanout: u32,
@@ -214,8 +234,8 @@ async fn accept_children(
     expected: &[Expected<'_>],
     auth: &JobAuth,
     deadline: Instant,
-) -> Result<Vec<TcpStream>, TransportError> {
-    let mut slots: Vec<Option<TcpStream>> = expected.iter().map(|_| None).collect();
+) -> Result<Vec<Link>, TransportError> {
+    let mut slots: Vec<Option<Link>> = expected.iter().map(|_| None).collect();
     let me = listener.name.as_str();
     while slots.iter().any(Option::is_none) {
         let missing: Vec<String> = expected
@@ -256,9 +276,9 @@ async fn accept_children(
         })
         .await;
         match verdict {
-            Ok(_) => {
+            Ok((_, session)) => {
                 let i = matched.expect("an accepted hello matched an expected child");
-                slots[i] = Some(stream);
+                slots[i] = Some(Link { stream, session });
             }
             Err(NetError::Refused { reason, .. }) if mismatch.is_some() => {
                 return Err(TransportError::PlanMismatch { peer: mismatch.unwrap_or_default(), detail: reason });
@@ -278,7 +298,7 @@ async fn connect_parent(
     identity: &PlanIdentity,
     auth: &JobAuth,
     deadline: Instant,
-) -> Result<TcpStream, TransportError> {
+) -> Result<Link, TransportError> {
     let me = route.node(node);
     let parent = route.parent(node).expect("a receiver has a parent");
     let what = format!("the refit stream of {} (relay parent {})", route.sender.name, parent.name);
@@ -290,7 +310,7 @@ async fn connect_parent(
         extra: encode_extra(route.sender.process, identity),
     };
     match net::send_hello(&mut stream, auth, &hello, deadline, &parent.name).await {
-        Ok(()) => Ok(stream),
+        Ok(session) => Ok(Link { stream, session }),
         Err(NetError::Refused { peer, reason }) if reason.starts_with(PLAN_MISMATCH_PREFIX) => {
             Err(TransportError::PlanMismatch { peer, detail: reason })
         }
@@ -349,7 +369,7 @@ pub async fn connect_receiver(
             .map(|((route, identity), &node)| connect_parent(route, node, identity, auth, deadline)),
     );
     let (children, parents) = tokio::try_join!(accept, connect)?;
-    let mut per_stream: Vec<Vec<(TcpStream, String)>> = streams.iter().map(|_| Vec::new()).collect();
+    let mut per_stream: Vec<Vec<(Link, String)>> = streams.iter().map(|_| Vec::new()).collect();
     for ((stream, e), i) in children.into_iter().zip(&expected).zip(owner) {
         per_stream[i].push((stream, e.child.to_string()));
     }
@@ -464,8 +484,8 @@ impl TcpTransport {
     fn start(
         route: &Route,
         node: usize,
-        upstream: Option<(TcpStream, String)>,
-        children: Vec<(TcpStream, String)>,
+        upstream: Option<(Link, String)>,
+        children: Vec<(Link, String)>,
         stream_bytes: u64,
         options: &TcpOptions,
     ) -> Result<TcpTransport, TransportError> {
@@ -477,6 +497,7 @@ impl TcpTransport {
         let mut peers = vec![upstream.as_ref().map(|(_, n)| n.clone()).unwrap_or_default()];
         peers.extend(children.iter().map(|(_, n)| n.clone()));
         let shared = Arc::new(Shared { peers, activity: AtomicU64::new(0), pool: Mutex::default() });
+        let macs = MacPool::new("refit", MAC_THREADS);
         let (commands, rx) = mpsc::unbounded_channel();
         let (tx, progress) = watch::channel(Progress::default());
         let io = Io {
@@ -484,8 +505,9 @@ impl TcpTransport {
             children: children.into_iter().map(|(s, _)| s).collect(),
             shared: shared.clone(),
             fence: fence.clone(),
+            macs,
             stream_bytes,
-            chunk: options.relay_chunk_bytes.max(1),
+            record: options.relay_chunk_bytes.clamp(1, net::RECORD_BYTES as u64),
         };
         let io = tokio::spawn(io.run(rx, tx));
         Ok(TcpTransport {
@@ -694,14 +716,39 @@ impl Cursor {
     }
 }
 
+/// A connection after its handshake: the socket and its frame keys.
+struct Link {
+    stream: TcpStream,
+    session: Session,
+}
+
+impl Link {
+    /// Writes `msg` and its tag.
+    async fn send(&mut self, msg: &[u8]) -> std::io::Result<()> {
+        let mut b = msg.to_vec();
+        b.extend_from_slice(&self.session.send.tag(&[msg]));
+        self.stream.write_all(&b).await
+    }
+
+    /// Reads a message of `N` bytes and checks its tag.
+    async fn recv<const N: usize>(&mut self) -> std::io::Result<[u8; N]> {
+        let mut b = vec![0u8; N + TAG_LEN];
+        self.stream.read_exact(&mut b).await?;
+        self.session.recv.check(&[&b[..N]], &b[N..])?;
+        Ok(b[..N].try_into().expect("N bytes"))
+    }
+}
+
 /// The task that owns a member's sockets and executes its commands in order.
 struct Io {
-    upstream: Option<TcpStream>,
-    children: Vec<TcpStream>,
+    upstream: Option<Link>,
+    children: Vec<Link>,
     shared: Arc<Shared>,
     fence: AccessFence,
+    macs: MacPool,
     stream_bytes: u64,
-    chunk: u64,
+    /// Bytes per tagged record: the root's choice, read from the header by the others.
+    record: u64,
 }
 
 impl Io {
@@ -743,11 +790,19 @@ impl Io {
             (Some(v), None) => v,
             (_, Some(up)) => {
                 self.shared.set(Op::ReadHeader, 0, 0);
-                let mut h = [0u8; HEADER_LEN];
-                up.read_exact(&mut h).await.map_err(|e| NetError::io(Op::ReadHeader.describe(0), self.peer(0), e))?;
+                let h: [u8; HEADER_LEN] =
+                    up.recv().await.map_err(|e| NetError::io(Op::ReadHeader.describe(0), self.peer(0), e))?;
                 if h[..4] != HEADER_MAGIC {
                     return Err(TransportError::Protocol { peer: self.peer(0), detail: "bad refit header".into() });
                 }
+                let record = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")) as u64;
+                if record == 0 || record > net::RECORD_BYTES as u64 {
+                    return Err(TransportError::Protocol {
+                        peer: self.peer(0),
+                        detail: format!("records of {record} bytes (1 to {} expected)", net::RECORD_BYTES),
+                    });
+                }
+                self.record = record;
                 let v = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
                 let bytes = u64::from_le_bytes(h[16..24].try_into().expect("8 bytes"));
                 if bytes != self.stream_bytes {
@@ -762,12 +817,13 @@ impl Io {
         };
         let mut h = [0u8; HEADER_LEN];
         h[..4].copy_from_slice(&HEADER_MAGIC);
+        h[4..8].copy_from_slice(&(self.record as u32).to_le_bytes());
         h[8..16].copy_from_slice(&version.to_le_bytes());
         h[16..24].copy_from_slice(&self.stream_bytes.to_le_bytes());
         for i in 0..self.children.len() {
             self.shared.set(Op::SendHeader, i + 1, 0);
             self.children[i]
-                .write_all(&h)
+                .send(&h)
                 .await
                 .map_err(|e| NetError::io(Op::SendHeader.describe(0), self.peer(i + 1), e))?;
         }
@@ -776,42 +832,88 @@ impl Io {
 
     async fn bucket(&mut self, bucket: u32, pieces: &[Piece]) -> Result<(), TransportError> {
         let total: u64 = pieces.iter().map(|p| p.region.len).sum();
-        // A relay forwards chunk by chunk; a root with one child or a leaf moves the whole bucket.
-        let window = if self.upstream.is_some() && self.children.is_empty()
-            || self.upstream.is_none() && self.children.len() == 1
-        {
-            total
-        } else {
-            self.chunk
-        };
-        let mut cursor = Cursor::default();
-        let mut done = 0;
-        while done < total {
-            let len = window.min(total - done);
-            let start = cursor;
-            if let Some(up) = &self.upstream {
+        // Every member moves the bucket record by record (the relay's chunk, or smaller), so a
+        // relay forwards each record as soon as it has arrived.
+        let records = records(pieces, total, self.record);
+        let mut checks: VecDeque<(RecordCheck, usize)> = VecDeque::new();
+        let mut tags: VecDeque<Vec<Pending<Option<Tag>>>> = VecDeque::new();
+        let mut tagged = 0;
+        for (r, &(start, len)) in records.iter().enumerate() {
+            if let Some(up) = self.upstream.as_mut() {
                 self.shared.set(Op::Receive, 0, bucket);
-                read_pieces(up, &self.fence, pieces, &mut cursor, len, &self.shared.peers[0], bucket).await?;
-            } else {
-                cursor.advance(pieces, len);
+                let mut c = start;
+                read_pieces(&up.stream, &self.fence, pieces, &mut c, len, &self.shared.peers[0], bucket).await?;
+                let mut tag = [0u8; TAG_LEN];
+                up.stream
+                    .read_exact(&mut tag)
+                    .await
+                    .map_err(|e| NetError::io(Op::Receive.describe(bucket), self.shared.peers[0].as_str(), e))?;
+                let key = up.session.recv.next_key();
+                checks.push_back((spawn_check(&self.macs, &self.fence, key, spans(pieces, start, len), tag), r));
+            }
+            if self.children.is_empty() {
+                while checks.len() > CHECKS_IN_FLIGHT {
+                    self.checked(checks.pop_front(), bucket).await?;
+                }
+                continue;
+            }
+            // A relay tags a record once it has arrived; the root tags ahead of what it writes.
+            let until = if self.upstream.is_some() { r + 1 } else { (r + 1 + TAG_AHEAD).min(records.len()) };
+            while tagged < until {
+                let (at, n) = records[tagged];
+                let per_child = self
+                    .children
+                    .iter_mut()
+                    .map(|c| spawn_tag(&self.macs, &self.fence, c.session.send.next_key(), spans(pieces, at, n)))
+                    .collect();
+                tags.push_back(per_child);
+                tagged += 1;
             }
             let op = if self.upstream.is_some() { Op::Forward } else { Op::Send };
             for (i, child) in self.children.iter().enumerate() {
                 self.shared.set(op, i + 1, bucket);
                 let mut c = start;
-                write_pieces(child, &self.fence, pieces, &mut c, len, &self.shared.peers[i + 1], op, bucket).await?;
+                write_pieces(&child.stream, &self.fence, pieces, &mut c, len, &self.shared.peers[i + 1], op, bucket)
+                    .await?;
             }
-            done += len;
+            // A relay vouches for a record to its children only once the record checked out.
+            while !checks.is_empty() {
+                self.checked(checks.pop_front(), bucket).await?;
+            }
+            let per_child = tags.pop_front().expect("every written record was tagged");
+            for (i, t) in per_child.into_iter().enumerate() {
+                let tag = t.wait().await.flatten().ok_or_else(aborted)?;
+                self.children[i]
+                    .stream
+                    .write_all(&tag)
+                    .await
+                    .map_err(|e| NetError::io(op.describe(bucket), self.shared.peers[i + 1].as_str(), e))?;
+            }
+        }
+        while !checks.is_empty() {
+            self.checked(checks.pop_front(), bucket).await?;
         }
         Ok(())
+    }
+
+    /// Waits for a record's check: a record whose tag failed fails the bucket, naming the parent.
+    async fn checked(&self, check: Option<(RecordCheck, usize)>, bucket: u32) -> Result<(), TransportError> {
+        let Some((check, record)) = check else { return Ok(()) };
+        match check.wait().await.flatten() {
+            Some(Ok(())) => Ok(()),
+            Some(Err(bad)) => Err(TransportError::Protocol {
+                peer: self.shared.peers[0].clone(),
+                detail: format!("bucket {bucket}, record {record}: {bad}"),
+            }),
+            None => Err(aborted()),
+        }
     }
 
     async fn end(&mut self, version: u64) -> Result<(), TransportError> {
         for i in 0..self.children.len() {
             self.shared.set(Op::ReadAck, i + 1, 0);
-            let mut a = [0u8; ACK_LEN];
-            self.children[i]
-                .read_exact(&mut a)
+            let a: [u8; ACK_LEN] = self.children[i]
+                .recv()
                 .await
                 .map_err(|e| NetError::io(Op::ReadAck.describe(0), self.peer(i + 1), e))?;
             let v = u64::from_le_bytes(a[8..16].try_into().expect("8 bytes"));
@@ -827,12 +929,58 @@ impl Io {
             let mut a = [0u8; ACK_LEN];
             a[..4].copy_from_slice(&ACK_MAGIC);
             a[8..16].copy_from_slice(&version.to_le_bytes());
-            up.write_all(&a)
-                .await
-                .map_err(|e| NetError::io(Op::SendAck.describe(0), self.shared.peers[0].clone(), e))?;
+            up.send(&a).await.map_err(|e| NetError::io(Op::SendAck.describe(0), self.shared.peers[0].clone(), e))?;
         }
         Ok(())
     }
+}
+
+/// A bucket's records: where each starts and its length (`record` bytes, the last one shorter).
+fn records(pieces: &[Piece], total: u64, record: u64) -> Vec<(Cursor, u64)> {
+    let record = record.max(1);
+    let mut out = Vec::with_capacity(total.div_ceil(record) as usize);
+    let (mut cursor, mut done) = (Cursor::default(), 0);
+    while done < total {
+        let len = record.min(total - done);
+        out.push((cursor, len));
+        cursor.advance(pieces, len);
+        done += len;
+    }
+    out
+}
+
+/// The memory of `len` bytes of the pieces from `start` on.
+fn spans(pieces: &[Piece], start: Cursor, len: u64) -> Vec<Span> {
+    let mut out = Vec::new();
+    let (mut piece, mut offset, mut left) = (start.piece, start.offset, len);
+    while left > 0 && piece < pieces.len() {
+        let r = pieces[piece].region;
+        let take = (r.len - offset).min(left);
+        out.push(Span::new((r.addr + offset) as usize, take as usize));
+        left -= take;
+        piece += 1;
+        offset = 0;
+    }
+    out
+}
+
+/// A record's check on a helper thread: `None` if the fence was revoked first.
+type RecordCheck = Pending<Option<Result<(), net::BadTag>>>;
+
+/// Tags a record on a helper thread, inside the fence (`None` once it is revoked).
+fn spawn_tag(macs: &MacPool, fence: &AccessFence, key: FrameKey, spans: Vec<Span>) -> Pending<Option<Tag>> {
+    let fence = fence.clone();
+    // SAFETY: the spans lie in pieces the engine keeps valid and unwritten until the bucket's
+    // ticket completes or the fence is revoked; the job reads them only while holding the fence,
+    // and the bucket waits for (or drops, which waits for) every job before its ticket completes.
+    macs.spawn(move || fence.access(|| unsafe { key.tag_spans(&spans) }))
+}
+
+/// Checks a record against `tag` on a helper thread, inside the fence (`None` once it is revoked).
+fn spawn_check(macs: &MacPool, fence: &AccessFence, key: FrameKey, spans: Vec<Span>, tag: Tag) -> RecordCheck {
+    let fence = fence.clone();
+    // SAFETY: as in `spawn_tag`; the record has landed and nothing writes it before the check.
+    macs.spawn(move || fence.access(|| unsafe { key.check_spans(&spans, &tag) }))
 }
 
 fn aborted() -> TransportError {

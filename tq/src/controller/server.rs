@@ -11,7 +11,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::state::{AckReport, Claim, Controller, ControllerError, PartitionStatus};
 use crate::codec::{self, Body, CONTROLLER_MAGIC, ErrorCode, Header, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use crate::column::BatchMeta;
-use rlplane_wire::net::{self, Hello, JobAuth, NetError};
+use rlplane_wire::net::{self, Connection, Hello, JobAuth, NetError};
 
 /// Settings of a [`TqController`].
 #[derive(Clone, Debug)]
@@ -59,7 +59,7 @@ pub struct TqController {
     /// One connection per unit for clears, opened at the first and kept: a step's clear is then
     /// one small frame each way instead of a connection and an authenticated handshake per unit
     /// per step, which cost the units' processes CPU in the middle of the refit.
-    clear_links: Arc<BTreeMap<u32, tokio::sync::Mutex<Option<TcpStream>>>>,
+    clear_links: Arc<BTreeMap<u32, tokio::sync::Mutex<Option<Connection>>>>,
 }
 
 fn lock(core: &Mutex<Controller>) -> std::sync::MutexGuard<'_, Controller> {
@@ -174,7 +174,7 @@ impl TqController {
 
     async fn serve_connection(&self, mut stream: TcpStream) -> Result<(), NetError> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        let hello =
+        let (hello, mut session) =
             net::accept_hello(&mut stream, &self.config.auth, CONTROLLER_MAGIC, WIRE_VERSION, deadline, |_| Ok(()))
                 .await?;
         let peer = hello.peer;
@@ -186,13 +186,13 @@ impl TqController {
                     *b = Vec::new();
                 }
             }
-            let (header, body) = match codec::read_message(&mut stream, &mut buf).await {
+            let (header, body) = match codec::read_message(&mut stream, &mut session.recv, &mut buf).await {
                 Ok(m) => m,
                 Err(ReadError::Io(e)) => return Err(NetError::io("reading a request", peer.as_str(), e)),
                 Err(ReadError::Codec(e)) => {
                     // Out of step with the peer: reply, then close.
                     let reply = Body::Error { code: ErrorCode::Malformed, message: e.to_string() };
-                    let _ = codec::write_message(&mut stream, &self.reply_header(0), &reply).await;
+                    let _ = codec::write_message(&mut stream, &mut session.send, &self.reply_header(0), &reply).await;
                     return Err(NetError::Refused { peer, reason: e.to_string() });
                 }
             };
@@ -208,7 +208,8 @@ impl TqController {
             } else {
                 self.handle(body).await
             };
-            codec::write_message_with(&mut stream, &self.reply_header(header.request_id), &reply, &mut out)
+            let h = self.reply_header(header.request_id);
+            codec::write_message_with(&mut stream, &mut session.send, &h, &reply, &mut out)
                 .await
                 .map_err(|e| NetError::io("replying", peer.as_str(), e))?;
         }
@@ -300,17 +301,17 @@ pub(crate) async fn connect_unit(
     auth: &JobAuth,
     peer_name: &str,
     deadline: tokio::time::Instant,
-) -> Result<TcpStream, NetError> {
+) -> Result<Connection, NetError> {
     let mut s = net::connect_retry(addr, deadline, "transfer-queue storage").await?;
     let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: peer_name.into(), extra: vec![] };
-    net::send_hello(&mut s, auth, &hello, deadline, addr).await?;
-    Ok(s)
+    let session = net::send_hello(&mut s, auth, &hello, deadline, addr).await?;
+    Ok(Connection { stream: s, session })
 }
 
 /// Clears `partition` in the unit at `addr` over its kept connection `link` (opened if there is
 /// none yet). A kept connection that fails is replaced once: the unit may have closed it.
 async fn clear_unit(
-    link: &tokio::sync::Mutex<Option<TcpStream>>,
+    link: &tokio::sync::Mutex<Option<Connection>>,
     addr: &str,
     auth: &JobAuth,
     partition: &str,
@@ -345,11 +346,12 @@ async fn clear_unit(
 
 /// One clear request on `s`: the unit's answer (`Ok(Err)` when it refused), or the connection's
 /// failure.
-async fn clear_request(s: &mut TcpStream, auth: &JobAuth, partition: &str) -> Result<Result<u64, String>, String> {
+async fn clear_request(s: &mut Connection, auth: &JobAuth, partition: &str) -> Result<Result<u64, String>, String> {
     let h = Header { version: WIRE_VERSION, request_id: 1, token: auth.token().into() };
-    codec::write_message(s, &h, &Body::ClearUnit { partition: partition.into() }).await.map_err(|e| e.to_string())?;
+    let body = Body::ClearUnit { partition: partition.into() };
+    codec::write_message(&mut s.stream, &mut s.session.send, &h, &body).await.map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
-    Ok(match codec::read_message(s, &mut buf).await.map_err(|e| e.to_string())? {
+    Ok(match codec::read_message(&mut s.stream, &mut s.session.recv, &mut buf).await.map_err(|e| e.to_string())? {
         (_, Body::Cleared { freed, .. }) => Ok(freed),
         (_, Body::Error { message, .. }) => Err(message),
         (_, other) => Err(format!("unexpected reply kind {}", other.kind())),
@@ -386,10 +388,11 @@ async fn watch_unit(
         if !alive() {
             return None;
         }
-        if let Err(e) = codec::write_message(&mut s, &h, &Body::Ping).await {
+        if let Err(e) = codec::write_message(&mut s.stream, &mut s.session.send, &h, &Body::Ping).await {
             return Some(format!("connection to {addr} failed: {e}"));
         }
-        match tokio::time::timeout(answer_within, codec::read_message(&mut s, &mut buf)).await {
+        let answer = codec::read_message(&mut s.stream, &mut s.session.recv, &mut buf);
+        match tokio::time::timeout(answer_within, answer).await {
             Ok(Ok((_, Body::Pong { .. }))) => {}
             Ok(Ok((_, other))) => return Some(format!("answered a ping with kind {}", other.kind())),
             Ok(Err(e)) => return Some(format!("connection to {addr} closed: {e}")),

@@ -1,8 +1,11 @@
-//! Length-prefixed frames: a little-endian `u32` length, then that many bytes.
+//! Length-prefixed frames: a little-endian `u32` length, then that many bytes; after a
+//! handshake, then the frame's tag ([`super::mac`]).
 
 use std::io;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::mac::{FrameMac, TAG_LEN};
 
 /// Largest control frame accepted; bulk payloads are streamed, never framed whole.
 pub const MAX_FRAME: u32 = 64 << 20;
@@ -39,5 +42,37 @@ pub async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R, buf: &mut Vec<u8>, m
     buf.clear();
     buf.resize(len as usize, 0);
     r.read_exact(buf).await?;
+    Ok(())
+}
+
+/// Writes one frame and its tag: a little-endian u32 length, the bytes, then [`TAG_LEN`] bytes of
+/// tag from `mac` (the length counts the bytes only).
+pub async fn write_tagged_frame<W: AsyncWriteExt + Unpin>(
+    w: &mut W,
+    mac: &mut FrameMac,
+    payload: &[u8],
+) -> io::Result<()> {
+    let len =
+        u32::try_from(payload.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
+    let tag = mac.tag(&[payload]);
+    let mut buf = Vec::with_capacity(4 + payload.len() + TAG_LEN);
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(payload);
+    buf.extend_from_slice(&tag);
+    w.write_all(&buf).await
+}
+
+/// Reads one frame written by [`write_tagged_frame`] into `buf`, refusing frames over `max` bytes
+/// and frames whose tag `mac` does not accept ([`super::BadTag`], as `InvalidData`).
+pub async fn read_tagged_frame<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    mac: &mut FrameMac,
+    buf: &mut Vec<u8>,
+    max: u32,
+) -> io::Result<()> {
+    read_frame(r, buf, max).await?;
+    let mut tag = [0u8; TAG_LEN];
+    r.read_exact(&mut tag).await?;
+    mac.check(&[buf], &tag)?;
     Ok(())
 }

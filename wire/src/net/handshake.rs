@@ -14,6 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::mac::{FRAME_KEY_LEN, Session};
 use super::{KeyError, NetError, read_frame, until, write_frame};
 
 /// Byte the accepting side sends when it accepts a [`Hello`] (and the connecting side before its
@@ -35,6 +36,9 @@ pub const CHALLENGE_LEN: usize = NONCE_LEN + PROOF_LEN;
 /// Domain-separation labels: a proof made by one side can never be presented as the other's.
 const SERVER_PROOF_LABEL: &[u8] = b"rlplane handshake v1: accepting side\0";
 const CLIENT_PROOF_LABEL: &[u8] = b"rlplane handshake v1: connecting side\0";
+/// Labels of the two directions' frame keys ([`super::mac`]), derived like the proofs.
+const FRAMES_FROM_CLIENT_LABEL: &[u8] = b"rlplane frames v1: from the connecting side\0";
+const FRAMES_FROM_SERVER_LABEL: &[u8] = b"rlplane frames v1: from the accepting side\0";
 
 /// The first message on every connection (what the connecting side says about itself; the job
 /// token and its nonce are added by [`JobAuth::client_hello`]).
@@ -214,6 +218,16 @@ impl JobAuth {
         ctx.sign()
     }
 
+    /// The frame keys of the connection whose handshake was `hello` and `server_nonce`: from the
+    /// connecting side, then from the accepting side. Both nonces are inside, so every connection
+    /// has keys of its own, and neither side's proof reveals them.
+    fn frame_keys(&self, hello: &[u8], server_nonce: &[u8]) -> ([u8; FRAME_KEY_LEN], [u8; FRAME_KEY_LEN]) {
+        let key = |label| -> [u8; FRAME_KEY_LEN] {
+            self.proof(label, hello, server_nonce).as_ref().try_into().expect("HMAC-SHA256 tags are 32 bytes")
+        };
+        (key(FRAMES_FROM_CLIENT_LABEL), key(FRAMES_FROM_SERVER_LABEL))
+    }
+
     fn verify(&self, label: &[u8], hello: &[u8], server_nonce: &[u8], proof: &[u8]) -> bool {
         let mut msg = Vec::with_capacity(label.len() + 4 + hello.len() + server_nonce.len());
         msg.extend_from_slice(label);
@@ -281,7 +295,7 @@ impl ClientHello {
 
     /// Connecting side, step 2: checks that the accepting side proved it holds the key (over this
     /// hello and its nonce) and returns this side's proof. A failed check is counted.
-    pub fn answer(&self, auth: &JobAuth, challenge: &[u8]) -> Result<[u8; PROOF_LEN], String> {
+    pub fn answer(&self, auth: &JobAuth, challenge: &[u8]) -> Result<([u8; PROOF_LEN], Session), String> {
         if challenge.len() != CHALLENGE_LEN
             || !auth.verify(SERVER_PROOF_LABEL, &self.bytes, &challenge[..NONCE_LEN], &challenge[NONCE_LEN..])
         {
@@ -291,7 +305,8 @@ impl ClientHello {
                 .into());
         }
         let proof = auth.proof(CLIENT_PROOF_LABEL, &self.bytes, &challenge[..NONCE_LEN]);
-        Ok(proof.as_ref().try_into().expect("HMAC-SHA256 tags are 32 bytes"))
+        let (ours, theirs) = auth.frame_keys(&self.bytes, &challenge[..NONCE_LEN]);
+        Ok((proof.as_ref().try_into().expect("HMAC-SHA256 tags are 32 bytes"), Session::new(ours, theirs)))
     }
 }
 
@@ -310,10 +325,12 @@ impl ServerChallenge {
     }
 
     /// Accepting side, step 2: checks the connecting side's proof (over its hello and this side's
-    /// fresh nonce, so a recorded handshake does not pass twice). A failed check is counted.
-    pub fn verify(&self, auth: &JobAuth, proof: &[u8]) -> Result<(), String> {
+    /// fresh nonce, so a recorded handshake does not pass twice) and returns the connection's
+    /// frame keys. A failed check is counted.
+    pub fn verify(&self, auth: &JobAuth, proof: &[u8]) -> Result<Session, String> {
         if auth.verify(CLIENT_PROOF_LABEL, &self.hello, &self.challenge[..NONCE_LEN], proof) {
-            return Ok(());
+            let (theirs, ours) = auth.frame_keys(&self.hello, &self.challenge[..NONCE_LEN]);
+            return Ok(Session::new(ours, theirs));
         }
         auth.refusals.count(self.magic);
         Err("the peer did not prove it holds this job epoch's key: it presented the right job token without \
@@ -341,14 +358,14 @@ async fn read_refusal<S: AsyncReadExt + Unpin>(stream: &mut S, peer: &str) -> Re
 /// Connecting side: sends `hello` with the job token and a fresh nonce, checks the accepting
 /// side's proof, sends its own and waits for the verdict. Each side learns why the other refused
 /// it ([`NetError::Refused`]). Any stream: TCP ports, and the Unix socket of the CUDA IPC
-/// transport's control channel.
+/// transport's control channel. Returns the keys that tag and check every later frame.
 pub async fn send_hello<S: AsyncReadExt + AsyncWriteExt + Unpin>(
     stream: &mut S,
     auth: &JobAuth,
     hello: &Hello,
     deadline: Instant,
     peer: &str,
-) -> Result<(), NetError> {
+) -> Result<Session, NetError> {
     let what = "sending the handshake";
     let ours = auth.client_hello(hello).map_err(|e| NetError::Io {
         what: "drawing the handshake's nonce".into(),
@@ -376,7 +393,7 @@ pub async fn send_hello<S: AsyncReadExt + AsyncWriteExt + Unpin>(
             .read_exact(&mut challenge)
             .await
             .map_err(|e| NetError::io("reading the handshake challenge", peer, e))?;
-        let proof = match ours.answer(auth, &challenge) {
+        let (proof, session) = match ours.answer(auth, &challenge) {
             Ok(p) => p,
             Err(reason) => {
                 refuse(stream, &reason).await;
@@ -389,7 +406,7 @@ pub async fn send_hello<S: AsyncReadExt + AsyncWriteExt + Unpin>(
         stream.write_all(&b).await.map_err(|e| NetError::io("sending the handshake proof", peer, e))?;
         stream.read_exact(&mut answer).await.map_err(|e| NetError::io("waiting for the handshake verdict", peer, e))?;
         if answer[0] == HELLO_OK {
-            return Ok(());
+            return Ok(session);
         }
         Err(NetError::Refused { peer: peer.into(), reason: read_refusal(stream, peer).await? })
     })
@@ -399,7 +416,8 @@ pub async fn send_hello<S: AsyncReadExt + AsyncWriteExt + Unpin>(
 /// Accepting side: reads a [`Hello`], checks magic, version and token, challenges the peer to
 /// prove it holds the epoch's key (proving it holds it too), and only then lets `check_extra`
 /// look at what the peer claims. On any mismatch it sends the reason to the peer and returns
-/// [`NetError::Refused`]; every refusal is counted in the `auth`'s [`Refusals`].
+/// [`NetError::Refused`]; every refusal is counted in the `auth`'s [`Refusals`]. Returns the
+/// peer's hello and the keys that tag and check every later frame.
 pub async fn accept_hello(
     stream: &mut TcpStream,
     auth: &JobAuth,
@@ -407,7 +425,7 @@ pub async fn accept_hello(
     version: u16,
     deadline: Instant,
     check_extra: impl FnOnce(&Hello) -> Result<(), String>,
-) -> Result<Hello, NetError> {
+) -> Result<(Hello, Session), NetError> {
     let peer_addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     accept_hello_on(stream, &peer_addr, auth, magic, version, deadline, check_extra).await
 }
@@ -422,7 +440,7 @@ pub async fn accept_hello_on<S: AsyncReadExt + AsyncWriteExt + Unpin>(
     version: u16,
     deadline: Instant,
     check_extra: impl FnOnce(&Hello) -> Result<(), String>,
-) -> Result<Hello, NetError> {
+) -> Result<(Hello, Session), NetError> {
     until(deadline, "handshaking", peer, async {
         let mut buf = Vec::new();
         read_frame(stream, &mut buf, 1 << 20).await.map_err(|e| NetError::io("reading the handshake", peer, e))?;
@@ -450,14 +468,14 @@ pub async fn accept_hello_on<S: AsyncReadExt + AsyncWriteExt + Unpin>(
         stream.read_exact(&mut proof).await.map_err(|e| NetError::io("reading the handshake proof", peer, e))?;
         let checked = challenge
             .verify(auth, &proof)
-            .and_then(|()| check_extra(&hello).inspect_err(|_| auth.refusals.count(magic)));
+            .and_then(|session| check_extra(&hello).inspect_err(|_| auth.refusals.count(magic)).map(|()| session));
         match checked {
-            Ok(()) => {
+            Ok(session) => {
                 stream
                     .write_all(&[HELLO_OK])
                     .await
                     .map_err(|e| NetError::io("answering the handshake", hello.peer.as_str(), e))?;
-                Ok(hello)
+                Ok((hello, session))
             }
             Err(reason) => {
                 refuse(stream, &reason).await;

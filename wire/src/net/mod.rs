@@ -18,23 +18,38 @@
 //!
 //! Both proofs cover both nonces (the client's is inside the hello), so a recorded handshake
 //! replayed to either side fails; the labels differ, so one side's proof never passes as the
-//! other's. Nothing a peer sends is acted on before its proof checks out, and every refusal is
+//! other's. The handshake also leaves each side a [`Session`]: per-connection keys, derived the
+//! same way, with which every later frame is tagged and checked ([`mac`]), so that a relayed
+//! handshake gives an on-path attacker nothing to inject, alter, replay or reorder. Nothing a peer sends is acted on before its proof checks out, and every refusal is
 //! counted ([`Refusals`]). The same steps run on the CUDA IPC control channel's Unix socket
 //! ([`accept_hello_on`], [`send_hello`]).
 
 pub mod frame;
 pub mod handshake;
 pub mod key;
+pub mod mac;
+pub mod records;
 pub mod socket;
 #[cfg(test)]
 mod tests;
 
-pub use frame::{MAX_FRAME, read_frame, write_frame};
+pub use frame::{MAX_FRAME, read_frame, read_tagged_frame, write_frame, write_tagged_frame};
 pub use handshake::{
     CHALLENGE_LEN, ClientHello, HELLO_CHALLENGE, HELLO_OK, HELLO_REFUSED, Hello, JobAuth, NONCE_LEN, PROOF_LEN,
     Refusals, ServerChallenge, accept_hello, accept_hello_on, send_hello,
 };
 pub use key::{KeyError, issue_key_file, write_key_file};
+pub use mac::{BadTag, FrameKey, FrameMac, MacPool, Pending, RECORD_BYTES, Session, Span, TAG_LEN, Tag};
+pub use records::{read_records, read_records_into, skip_records, wire_len, write_all_slices, write_records};
 pub use socket::{
     NetError, bind, connect_retry, is_transient_accept_error, reserve_loopback_port, serve_connections, tune, until,
 };
+
+/// A TCP connection after its handshake: the socket and the keys that tag and check its frames.
+#[derive(Debug)]
+pub struct Connection {
+    /// The socket.
+    pub stream: tokio::net::TcpStream,
+    /// Its frame keys.
+    pub session: Session,
+}

@@ -48,9 +48,9 @@ fn proofs_need_the_key_and_are_bound_to_both_nonces_and_a_side() {
         let (_, mine) = other.open_hello(forged.bytes(), *b"TEST", 1).unwrap();
         *mine.bytes()
     });
-    assert!(ch2.verify(&good, &bad_proof.unwrap()).is_err());
+    assert!(ch2.verify(&good, &bad_proof.unwrap().0).is_err());
     // The right proof passes once; the same proof against a fresh challenge (a replay) fails.
-    let proof = c.answer(&good, challenge.bytes()).unwrap();
+    let (proof, _) = c.answer(&good, challenge.bytes()).unwrap();
     challenge.verify(&good, &proof).unwrap();
     let (_, fresh) = good.open_hello(c.bytes(), *b"TEST", 1).unwrap();
     assert!(fresh.verify(&good, &proof).is_err(), "a replayed proof must fail");
@@ -61,7 +61,10 @@ fn proofs_need_the_key_and_are_bound_to_both_nonces_and_a_side() {
     assert!(!format!("{good:?}").contains("1, 1"), "Debug never shows the key");
 }
 
-async fn handshake(client: JobAuth, server: JobAuth) -> (Result<(), NetError>, Result<Hello, NetError>) {
+async fn handshake(
+    client: JobAuth,
+    server: JobAuth,
+) -> (Result<Session, NetError>, Result<(Hello, Session), NetError>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -93,7 +96,46 @@ async fn the_right_token_without_the_key_is_refused_on_both_sides() {
     assert_eq!(keyless.refusals().total(), 1);
     let (ok_c, ok_s) = handshake(server_auth.clone(), server_auth.clone()).await;
     ok_c.unwrap();
-    assert_eq!(ok_s.unwrap().peer, "p");
+    assert_eq!(ok_s.unwrap().0.peer, "p");
+}
+
+#[tokio::test]
+async fn a_handshake_leaves_both_sides_matching_frame_keys_of_their_own() {
+    let a = auth("e1-good", 1);
+    let (c, s) = handshake(a.clone(), a.clone()).await;
+    let (mut c, (_, mut s)) = (c.unwrap(), s.unwrap());
+    let (up, down) = (c.send.tag(&[b"claim"]), s.send.tag(&[b"granted"]));
+    s.recv.check(&[b"claim"], &up).unwrap();
+    c.recv.check(&[b"granted"], &down).unwrap();
+    // Each direction has its own key, and another connection of the same job has others.
+    let (k_up, k_down) = (c.send.next_key(), s.send.next_key());
+    assert_eq!(k_up.frame(), k_down.frame());
+    assert_ne!(k_up.tag(&[b"x"]), k_down.tag(&[b"x"]), "the directions' keys differ");
+    let (c2, s2) = handshake(a.clone(), a.clone()).await;
+    let (mut c2, (_, mut s2)) = (c2.unwrap(), s2.unwrap());
+    s2.recv.check(&[b"put"], &c2.send.tag(&[b"put"])).unwrap();
+    let (_, _) = (c.send.next_key(), c2.send.next_key());
+    let replayed = c.send.tag(&[b"put"]);
+    assert!(s2.recv.check(&[b"put"], &replayed).is_err(), "a frame of one connection fails on another");
+    assert_eq!(s.recv.frames(), 1);
+}
+
+#[tokio::test]
+async fn tagged_frames_round_trip_and_an_altered_one_is_refused() {
+    let (mut a, mut b) = Session::pair_for_tests(3);
+    let (mut w, mut r) = tokio::io::duplex(1 << 16);
+    write_tagged_frame(&mut w, &mut a.send, b"weights v7").await.unwrap();
+    write_tagged_frame(&mut w, &mut a.send, b"weights v8").await.unwrap();
+    let mut buf = Vec::new();
+    read_tagged_frame(&mut r, &mut b.recv, &mut buf, 1024).await.unwrap();
+    assert_eq!(buf, b"weights v7");
+    // The second frame's last payload byte, flipped on the way.
+    let mut raw = vec![0u8; 4 + 10 + TAG_LEN];
+    tokio::io::AsyncReadExt::read_exact(&mut r, &mut raw).await.unwrap();
+    raw[4 + 9] ^= 1;
+    let err = read_tagged_frame(&mut &raw[..], &mut b.recv, &mut buf, 1024).await.unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+    assert!(err.to_string().contains("frame 1 of this connection failed its authentication tag"), "{err}");
 }
 
 #[tokio::test]
