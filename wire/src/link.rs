@@ -241,7 +241,7 @@ mod tests {
 
     fn pair() -> (FrameLink, FrameLink) {
         let (a, b) = tokio::net::UnixStream::pair().unwrap();
-        let (sa, sb) = Session::pair_for_tests(1);
+        let (sa, sb) = Session::fixed_pair(1);
         (FrameLink::unix(a, 1 << 20, sa).unwrap(), FrameLink::unix(b, 1 << 20, sb).unwrap())
     }
 

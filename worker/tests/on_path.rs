@@ -145,7 +145,7 @@ async fn error_reply(s: &mut TcpStream, session: &mut Session) -> Option<(ErrorC
 async fn rollout_bytes_altered_on_the_way_are_refused_and_nothing_is_stored() {
     let (unit, target) = storage().await;
     let hello = Hello { magic: STORAGE_MAGIC, version: WIRE_VERSION, peer: "gen-0".into(), extra: vec![] };
-    let probe = put(&mut Session::pair_for_tests(0).0.send);
+    let probe = put(&mut Session::fixed_pair(0).0.send);
     // The last value's last byte but four: inside the rollout's token ids, before the tag.
     let at = handshake_up(&hello) + probe.len() as u64 - 20;
     let addr = on_path(target.clone(), Some(Attack::Flip(at)), None).await;
@@ -175,12 +175,8 @@ async fn a_frame_injected_after_a_relayed_handshake_is_refused_and_nothing_is_re
     let mut meta = BatchMeta::builder("p", vec![FieldSpec::ragged("ids", DType::I64)]);
     meta.push("forged", 0, 2, &[2], &SampleTags::default()).unwrap();
     // The attacker's registration, well formed, with a tag under a key it made up.
-    let forged = codec::tag_message_bytes(
-        &mut Session::pair_for_tests(7).0.send,
-        &header(1),
-        &Body::Register(meta.finish()),
-        &[],
-    );
+    let forged =
+        codec::tag_message_bytes(&mut Session::fixed_pair(7).0.send, &header(1), &Body::Register(meta.finish()), &[]);
     let hello = Hello { magic: CONTROLLER_MAGIC, version: WIRE_VERSION, peer: "gen-0".into(), extra: vec![] };
     let addr = on_path(target, Some(Attack::Inject(handshake_up(&hello), forged)), None).await;
     let (mut s, mut session) = connect(&addr, &hello).await;

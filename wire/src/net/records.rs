@@ -225,7 +225,7 @@ mod tests {
         let data: Vec<u8> = (0..(RECORD_BYTES * 3 + 1000)).map(|i| (i * 7) as u8).collect();
         let parts: [&[u8]; 3] = [&data[..10], &data[10..RECORD_BYTES + 5], &data[RECORD_BYTES + 5..]];
         for flip in [None, Some(3), Some(RECORD_BYTES * 2 + 17), Some(data.len() + 3 * TAG_LEN + 5)] {
-            let (mut a, mut b) = Session::pair_for_tests(9);
+            let (mut a, mut b) = Session::fixed_pair(9);
             let mut wire = Vec::new();
             write_records(&mut wire, &mut a.send, &pool, &parts).await.unwrap();
             assert_eq!(wire.len() as u64, wire_len(data.len() as u64));
@@ -246,7 +246,7 @@ mod tests {
             }
         }
         // Into several buffers, split anywhere.
-        let (mut a, mut b) = Session::pair_for_tests(9);
+        let (mut a, mut b) = Session::fixed_pair(9);
         let mut wire = Vec::new();
         write_records(&mut wire, &mut a.send, &pool, &parts).await.unwrap();
         let mut dst = vec![0u8; data.len()];
@@ -255,7 +255,7 @@ mod tests {
         read_records_into(&mut &wire[..], &mut b.recv, &pool, &mut [x, &mut [], y, z]).await.unwrap();
         assert_eq!(dst, data);
         // Records in the wrong order fail too.
-        let (mut a, mut b) = Session::pair_for_tests(9);
+        let (mut a, mut b) = Session::fixed_pair(9);
         let mut wire = Vec::new();
         write_records(&mut wire, &mut a.send, &pool, &[&data]).await.unwrap();
         let r = RECORD_BYTES + TAG_LEN;

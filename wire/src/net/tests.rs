@@ -122,7 +122,7 @@ async fn a_handshake_leaves_both_sides_matching_frame_keys_of_their_own() {
 
 #[tokio::test]
 async fn tagged_frames_round_trip_and_an_altered_one_is_refused() {
-    let (mut a, mut b) = Session::pair_for_tests(3);
+    let (mut a, mut b) = Session::fixed_pair(3);
     let (mut w, mut r) = tokio::io::duplex(1 << 16);
     write_tagged_frame(&mut w, &mut a.send, b"weights v7").await.unwrap();
     write_tagged_frame(&mut w, &mut a.send, b"weights v8").await.unwrap();

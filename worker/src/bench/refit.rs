@@ -550,6 +550,9 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
         s.config,
     )?;
     let mut source = HostTensors::zeroed(stream.plan.tensors().iter().map(|t| t.source_bytes.unwrap_or(0)));
+    // The tagged reference stream's keys (no handshake on the reference connection) and threads,
+    // as a refit transport has them.
+    let (mut tags, macs) = (net::Session::fixed_pair(1).0, net::MacPool::new("raw", 2));
     emit(&PeerEvent { event: "ready".into(), process: s.name.clone(), ok: true, ..Default::default() });
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     let mut broken = false;
@@ -613,6 +616,22 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
                     ..Default::default()
                 });
             }
+            "tagged" => {
+                let conn = raw.as_mut().context("no raw stream was set up (--raw-port)")?;
+                let parts: Vec<&[u8]> = (0..source.len()).map(|i| source.tensor(i)).collect();
+                let start = Instant::now();
+                net::write_records(conn, &mut tags.send, &macs, &parts).await?;
+                let mut ack = [0u8; 1];
+                conn.read_exact(&mut ack).await?;
+                emit(&PeerEvent {
+                    event: "tagged".into(),
+                    process: s.name.clone(),
+                    ok: true,
+                    secs: Some(start.elapsed().as_secs_f64()),
+                    bytes: Some(source.total_bytes()),
+                    ..Default::default()
+                });
+            }
             "slow" => sender.transport_mut().delay = Duration::from_millis(arg),
             "quit" => break,
             other => bail!("unknown peer command `{other}`"),
@@ -646,6 +665,7 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
         s.config,
     )?;
     let mut dest = HostTensors::zeroed(s.manifest.iter().map(TensorSpec::size_bytes));
+    let (mut tags, macs) = (net::Session::fixed_pair(1).1, net::MacPool::new("raw", 2));
     emit(&PeerEvent { event: "ready".into(), process: s.name.clone(), ok: true, ..Default::default() });
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     let mut broken = false;
@@ -708,6 +728,23 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
                 conn.write_all(&[1]).await?;
                 emit(&PeerEvent {
                     event: "raw".into(),
+                    process: s.name.clone(),
+                    ok: true,
+                    secs: Some(start.elapsed().as_secs_f64()),
+                    bytes: Some(total),
+                    ..Default::default()
+                });
+            }
+            "tagged" => {
+                let conn =
+                    raw.as_mut().context("this receiver has no raw stream (--raw-port on the first receiver)")?;
+                let total = dest.total_bytes();
+                let start = Instant::now();
+                let mut bufs: Vec<&mut [u8]> = dest.tensors_mut().collect();
+                net::read_records_into(conn, &mut tags.recv, &macs, &mut bufs).await?;
+                conn.write_all(&[1]).await?;
+                emit(&PeerEvent {
+                    event: "tagged".into(),
                     process: s.name.clone(),
                     ok: true,
                     secs: Some(start.elapsed().as_secs_f64()),
@@ -972,12 +1009,22 @@ impl Harness {
 
     /// One raw reference stream (sender → first receiver); returns the sender's seconds.
     pub async fn raw(&mut self) -> anyhow::Result<f64> {
+        self.reference("raw").await
+    }
+
+    /// The same stream with every 256 KiB record tagged and checked as the refit's are (helper
+    /// threads on both sides, no copy): the cost of frame authentication alone.
+    pub async fn tagged(&mut self) -> anyhow::Result<f64> {
+        self.reference("tagged").await
+    }
+
+    async fn reference(&mut self, kind: &str) -> anyhow::Result<f64> {
         let (s, r) = (self.senders[0].clone(), self.receivers[0].clone());
-        self.command(&r, "raw").await?;
-        self.command(&s, "raw").await?;
+        self.command(&r, kind).await?;
+        self.command(&s, kind).await?;
         let e = self.next_event(&s).await?;
         self.next_event(&r).await?;
-        e.secs.with_context(|| format!("{s} reported no raw time: {e:?}"))
+        e.secs.with_context(|| format!("{s} reported no {kind} time: {e:?}"))
     }
 
     /// Kills a peer (SIGKILL) and reaps it.
@@ -1053,6 +1100,10 @@ pub struct BenchReport {
     pub raw_gbps: Option<f64>,
     /// raw_secs / refit_secs.
     pub ratio_to_raw: Option<f64>,
+    /// Median seconds of the tagged reference stream (None for sharded runs).
+    pub tagged_secs: Option<f64>,
+    /// raw_secs / tagged_secs: what tagging every record leaves of the raw stream's speed.
+    pub tagged_to_raw: Option<f64>,
     /// The sender's phase timings of the median refit.
     pub sender_stats: RefitStats,
     /// The first receiver's phase timings of the median refit.
@@ -1128,6 +1179,12 @@ fn print_report(report: &BenchReport) {
     if let (Some(secs), Some(gbps)) = (report.raw_secs, report.raw_gbps) {
         println!("  raw loopback stream (sender → first receiver): {secs:.4} s median, {gbps:.2} GB/s");
     }
+    if let (Some(secs), Some(ratio)) = (report.tagged_secs, report.tagged_to_raw) {
+        let gbps = report.bytes as f64 / secs / 1e9;
+        println!(
+            "  the same stream, every record tagged and checked: {secs:.4} s median, {gbps:.2} GB/s, {ratio:.3} × raw"
+        );
+    }
     println!(
         "  refit: {:.4} s median per refit, {:.2} GB/s{}; delivered {:.2} GB/s (receivers × bytes / time)",
         report.refit_secs,
@@ -1152,6 +1209,7 @@ fn print_report(report: &BenchReport) {
 #[derive(Default)]
 struct Samples {
     raws: Vec<f64>,
+    tagged: Vec<f64>,
     refits: Vec<Round>,
     verified: u32,
     senders: u32,
@@ -1188,9 +1246,10 @@ async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
             for iter in 0..=args.iters {
                 version += 1;
                 if raw_enabled {
-                    let secs = h.raw().await?;
+                    let (raw, tagged) = (h.raw().await?, h.tagged().await?);
                     if iter > 0 {
-                        s.raws.push(secs);
+                        s.raws.push(raw);
+                        s.tagged.push(tagged);
                     }
                 }
                 let round = h.refit(version).await?;
@@ -1216,6 +1275,7 @@ async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
             .min_by(|a, b| (a.secs() - refit_secs).abs().total_cmp(&(b.secs() - refit_secs).abs()))
             .expect("at least one refit");
         let raw_secs = (!s.raws.is_empty()).then(|| median(&mut s.raws));
+        let tagged_secs = (!s.tagged.is_empty()).then(|| median(&mut s.tagged));
         reports.push(BenchReport {
             model: args.model.to_string(),
             tensors,
@@ -1232,6 +1292,8 @@ async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
             raw_secs,
             raw_gbps: raw_secs.map(|r| bytes as f64 / r / 1e9),
             ratio_to_raw: raw_secs.map(|r| r / refit_secs),
+            tagged_secs,
+            tagged_to_raw: raw_secs.zip(tagged_secs).map(|(r, t)| r / t),
             sender_stats: median_round.senders[0].stats.clone().unwrap_or_default(),
             receiver_stats: median_round.receivers[0].stats.clone().unwrap_or_default(),
             verified: s.verified,

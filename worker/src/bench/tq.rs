@@ -649,11 +649,23 @@ async fn raw_sink_peer() -> anyhow::Result<()> {
     // One stream after another: a u64 length, then that many bytes, received into a fresh buffer
     // of that size — where a consumer's bytes land too (a reused small buffer would stay in cache
     // and never fault, which no real consumer gets). Reports bytes and seconds from the first
-    // byte to the last.
+    // byte to the last. A length with its top bit set announces tagged records instead (timed
+    // from the length on), read and checked as a consumer's buffers are.
+    let (mut tags, macs) = (net::Session::fixed_pair(1).1, net::MacPool::new("sink", 2));
     loop {
         let (mut s, _) = listener.accept().await?;
         net::tune(&s);
-        let len = s.read_u64_le().await? as usize;
+        let len = s.read_u64_le().await?;
+        if len & TAGGED != 0 {
+            let mut buf = crate::tq::codec::receive_buffer((len & !TAGGED) as usize);
+            let start = Instant::now();
+            net::read_records(&mut s, &mut tags.recv, &macs, &mut buf).await?;
+            let secs = start.elapsed().as_secs_f64();
+            std::hint::black_box(&buf);
+            say(json!({"ok": true, "bytes": buf.len(), "secs": secs})).await?;
+            continue;
+        }
+        let len = len as usize;
         let mut buf = crate::tq::codec::receive_buffer(len);
         let mut got = 0usize;
         let mut start = None;
@@ -671,12 +683,36 @@ async fn raw_sink_peer() -> anyhow::Result<()> {
     }
 }
 
-/// Streams the first `bytes` of `buf` to the raw sink at `addr` and returns the sink's GB/s.
-async fn raw_stream(sink: &mut PeerProcess, addr: &str, bytes: u64, buf: &[u8]) -> anyhow::Result<f64> {
+/// The raw sink's length bit that announces tagged records.
+const TAGGED: u64 = 1 << 63;
+
+/// The sending side of the raw sink's tagged streams: its keys and helper threads.
+struct TaggedSender {
+    tags: net::Session,
+    macs: net::MacPool,
+}
+
+/// Streams the first `bytes` of `buf` to the raw sink at `addr` — raw, or as tagged records when
+/// `tagged` is given — and returns the sink's GB/s.
+async fn raw_stream(
+    sink: &mut PeerProcess,
+    addr: &str,
+    bytes: u64,
+    buf: &[u8],
+    tagged: Option<&mut TaggedSender>,
+) -> anyhow::Result<f64> {
     let mut s = net::connect_retry(addr, tokio::time::Instant::now() + T, "the raw sink").await?;
     let n = (bytes as usize).min(buf.len());
-    s.write_u64_le(n as u64).await?;
-    s.write_all(&buf[..n]).await?;
+    match tagged {
+        Some(t) => {
+            s.write_u64_le(n as u64 | TAGGED).await?;
+            net::write_records(&mut s, &mut t.tags.send, &t.macs, &[&buf[..n]]).await?;
+        }
+        None => {
+            s.write_u64_le(n as u64).await?;
+            s.write_all(&buf[..n]).await?;
+        }
+    }
     s.shutdown().await?;
     let v = sink.recv(T).await?;
     Ok(v["bytes"].as_f64().unwrap_or(0.0) / v["secs"].as_f64().unwrap_or(f64::INFINITY) / 1e9)
@@ -1015,6 +1051,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     let mut sink = PeerProcess::spawn(&exe, "raw-sink", &["raw-sink".into()])?;
     let v = sink.recv(T).await?;
     let sink_addr = v["listen"].as_str().ok_or_else(|| anyhow!("raw sink said {v}"))?.to_string();
+    let mut tagged = TaggedSender { tags: net::Session::fixed_pair(1).0, macs: net::MacPool::new("raw", 2) };
     // A step-sized source of distinct bytes (not a small buffer resent from cache), like the
     // stored columns a storage unit sends.
     let step_guess = a.samples as usize * ((response.0 + response.1) as usize / 2 + a.prompt_tokens as usize) * 13 * 2;
@@ -1125,7 +1162,8 @@ async fn bench(a: Args) -> anyhow::Result<()> {
             bail!("consumers got {seen} samples of {}", expected.len());
         }
         let put_to_get = t0.elapsed().as_secs_f64();
-        let raw_gbps = raw_stream(&mut sink, &sink_addr, get_bytes, &raw_buf).await?;
+        let raw_gbps = raw_stream(&mut sink, &sink_addr, get_bytes, &raw_buf, None).await?;
+        let tagged_gbps = raw_stream(&mut sink, &sink_addr, get_bytes, &raw_buf, Some(&mut tagged)).await?;
         let keys: Vec<String> = claim.meta.keys().map(String::from).collect();
         controller.ack(&part, "train", claim.claim_id, &keys)?;
         let mut rss_total = 0u64;
@@ -1145,11 +1183,12 @@ async fn bench(a: Args) -> anyhow::Result<()> {
             "put_gbps": put_bytes as f64 / put_secs / 1e9, "get_gbps": get_bytes as f64 / get_secs / 1e9,
             "put_to_get_ms": put_to_get * 1e3, "imbalance": assignment.imbalance,
             "raw_gbps": raw_gbps, "get_over_raw": get_bytes as f64 / get_secs / 1e9 / raw_gbps,
+            "tagged_gbps": tagged_gbps, "tagged_over_raw": tagged_gbps / raw_gbps,
             "shard_fetch_ms": shard_fetch_secs * 1e3,
             "storage_rss": rss_total, "storage_hwm": hwm_total,
         }));
         eprintln!(
-            "step {step}: {:.1} MB, put {:.2} GB/s, get {:.2} GB/s, raw {raw_gbps:.2} GB/s, put→get {:.1} ms, imbalance {:.3}",
+            "step {step}: {:.1} MB, put {:.2} GB/s, get {:.2} GB/s, raw {raw_gbps:.2} GB/s, tagged {tagged_gbps:.2} GB/s, put→get {:.1} ms, imbalance {:.3}",
             get_bytes as f64 / 1e6,
             put_bytes as f64 / put_secs / 1e9,
             get_bytes as f64 / get_secs / 1e9,
@@ -1167,6 +1206,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     let raw = median(&col("raw_gbps"));
     let shard_fetch_ms = median(&col("shard_fetch_ms"));
     let ratio = median(&col("get_over_raw"));
+    let (tagged_gbps, tagged_ratio) = (median(&col("tagged_gbps")), median(&col("tagged_over_raw")));
 
     // Claim latency on a large partition, in-process and over TCP.
     let n = a.claim_partition;
@@ -1248,7 +1288,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
         "samples": a.samples, "response_tokens": a.response_tokens, "placement": a.placement,
         "storage_units": s, "consumers": a.consumers, "steps": a.steps,
         "step_bytes": total_bytes, "put_gbps": put_gbps, "get_gbps": get_gbps, "put_to_get_ms": p2g,
-        "raw_gbps": raw, "get_over_raw": ratio,
+        "raw_gbps": raw, "get_over_raw": ratio, "tagged_gbps": tagged_gbps, "tagged_over_raw": tagged_ratio,
         "ranks_per_shard": a.ranks_per_shard, "fetch": a.fetch, "shard_fetch_ms": shard_fetch_ms,
         "claim_reply_bytes": reply_bytes, "raw_claim_round_trip_us": json!({"p50": raw_rt.0, "p99": raw_rt.1, "over_1ms": raw_rt.2}),
         "claim_us": lat.iter().map(|(k, (p50, p99, over))| (k.to_string(), json!({"p50": p50, "p99": p99, "over_1ms": over}))).collect::<serde_json::Map<_, _>>(),
@@ -1265,6 +1305,11 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     println!("  get                   {:>10.2} GB/s", get_gbps);
     println!("  raw loopback stream   {:>10.2} GB/s", raw);
     println!("  get / raw (per step)  {:>10.2}", ratio);
+    println!(
+        "  tagged stream         {:>10.2} GB/s   (the raw stream, every 256 KiB record tagged and checked)",
+        tagged_gbps
+    );
+    println!("  tagged / raw          {:>10.3}", tagged_ratio);
     println!("  put→get (step)        {:>10.1} ms", p2g);
     println!(
         "  every rank has its batch {:>7.1} ms   ({} ranks per shard, fetch {})",
