@@ -841,13 +841,9 @@ impl Io {
         for (r, &(start, len)) in records.iter().enumerate() {
             if let Some(up) = self.upstream.as_mut() {
                 self.shared.set(Op::Receive, 0, bucket);
-                let mut c = start;
-                read_pieces(&up.stream, &self.fence, pieces, &mut c, len, &self.shared.peers[0], bucket).await?;
-                let mut tag = [0u8; TAG_LEN];
-                up.stream
-                    .read_exact(&mut tag)
-                    .await
-                    .map_err(|e| NetError::io(Op::Receive.describe(bucket), self.shared.peers[0].as_str(), e))?;
+                let (mut c, mut tag) = (start, [0u8; TAG_LEN]);
+                let peer = self.shared.peers[0].as_str();
+                read_pieces(&up.stream, &self.fence, pieces, &mut c, len, &mut tag, peer, bucket).await?;
                 let key = up.session.recv.next_key();
                 checks.push_back((spawn_check(&self.macs, &self.fence, key, spans(pieces, start, len), tag), r));
             }
@@ -869,25 +865,34 @@ impl Io {
                 tags.push_back(per_child);
                 tagged += 1;
             }
-            let op = if self.upstream.is_some() { Op::Forward } else { Op::Send };
+            let per_child = tags.pop_front().expect("every written record was tagged");
+            if self.upstream.is_none() {
+                // The root tagged ahead: each record goes out with its tag, in the same writes.
+                for (i, (child, t)) in self.children.iter().zip(per_child).enumerate() {
+                    let tag = t.wait().await.flatten().ok_or_else(aborted)?;
+                    let (mut c, peer) = (start, self.shared.peers[i + 1].as_str());
+                    self.shared.set(Op::Send, i + 1, bucket);
+                    write_pieces(&child.stream, &self.fence, pieces, &mut c, len, &tag, peer, Op::Send, bucket).await?;
+                }
+                continue;
+            }
             for (i, child) in self.children.iter().enumerate() {
-                self.shared.set(op, i + 1, bucket);
-                let mut c = start;
-                write_pieces(&child.stream, &self.fence, pieces, &mut c, len, &self.shared.peers[i + 1], op, bucket)
-                    .await?;
+                let (mut c, peer) = (start, self.shared.peers[i + 1].as_str());
+                self.shared.set(Op::Forward, i + 1, bucket);
+                write_pieces(&child.stream, &self.fence, pieces, &mut c, len, &[], peer, Op::Forward, bucket).await?;
             }
             // A relay vouches for a record to its children only once the record checked out.
             while !checks.is_empty() {
                 self.checked(checks.pop_front(), bucket).await?;
             }
-            let per_child = tags.pop_front().expect("every written record was tagged");
             for (i, t) in per_child.into_iter().enumerate() {
                 let tag = t.wait().await.flatten().ok_or_else(aborted)?;
+                let peer = self.shared.peers[i + 1].as_str();
                 self.children[i]
                     .stream
                     .write_all(&tag)
                     .await
-                    .map_err(|e| NetError::io(op.describe(bucket), self.shared.peers[i + 1].as_str(), e))?;
+                    .map_err(|e| NetError::io(Op::Forward.describe(bucket), peer, e))?;
             }
         }
         while !checks.is_empty() {
@@ -987,23 +992,38 @@ fn aborted() -> TransportError {
     TransportError::Aborted { name: "tcp stream".into(), reason: "aborted while moving bytes".into() }
 }
 
-/// Reads `len` bytes from `stream` into the pieces from `cursor` on, advancing it.
+/// Reads `len` bytes from `stream` into the pieces from `cursor` on, advancing it, then fills
+/// `trailer` (a record's tag), in the same reads where it fits.
+#[allow(clippy::too_many_arguments)]
 async fn read_pieces(
     stream: &TcpStream,
     fence: &AccessFence,
     pieces: &[Piece],
     cursor: &mut Cursor,
     mut len: u64,
+    trailer: &mut [u8],
     peer: &str,
     bucket: u32,
 ) -> Result<(), TransportError> {
-    while len > 0 {
+    let mut t = 0;
+    while len > 0 || t < trailer.len() {
         stream.readable().await.map_err(|e| NetError::io(Op::Receive.describe(bucket), peer, e))?;
         let r = fence.access(|| {
-            let mut iov: [IoSliceMut<'_>; MAX_IOV] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
+            let mut iov: [IoSliceMut<'_>; MAX_IOV + 1] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
+            let mut covered = 0;
             // SAFETY: the engine keeps the pieces valid and exclusively ours until this bucket's
             // ticket completes or the fence is revoked, and the fence is held.
-            let n = cursor.spans(pieces, len, |i, r| iov[i] = IoSliceMut::new(unsafe { r.as_mut_slice() }));
+            let n = cursor.spans(pieces, len, |i, r| {
+                covered += r.len;
+                iov[i] = IoSliceMut::new(unsafe { r.as_mut_slice() })
+            });
+            // The trailer follows the record's last byte only.
+            let n = if covered == len {
+                iov[n] = IoSliceMut::new(&mut trailer[t..]);
+                n + 1
+            } else {
+                n
+            };
             stream.try_read_vectored(&mut iov[..n])
         });
         match r {
@@ -1012,8 +1032,10 @@ async fn read_pieces(
                 return Err(TransportError::Closed { peer: peer.into(), what: Op::Receive.describe(bucket) });
             }
             Some(Ok(n)) => {
-                cursor.advance(pieces, n as u64);
-                len -= n as u64;
+                let body = (n as u64).min(len);
+                cursor.advance(pieces, body);
+                len -= body;
+                t += n - body as usize;
             }
             Some(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Some(Err(e)) => return Err(NetError::io(Op::Receive.describe(bucket), peer, e).into()),
@@ -1022,7 +1044,8 @@ async fn read_pieces(
     Ok(())
 }
 
-/// Writes `len` bytes of the pieces from `cursor` on to `stream`, advancing it.
+/// Writes `len` bytes of the pieces from `cursor` on to `stream`, advancing it, then `trailer`
+/// (a record's tag), in the same writes where it fits.
 #[allow(clippy::too_many_arguments)]
 async fn write_pieces(
     stream: &TcpStream,
@@ -1030,25 +1053,39 @@ async fn write_pieces(
     pieces: &[Piece],
     cursor: &mut Cursor,
     mut len: u64,
+    trailer: &[u8],
     peer: &str,
     op: Op,
     bucket: u32,
 ) -> Result<(), TransportError> {
-    while len > 0 {
+    let mut t = 0;
+    while len > 0 || t < trailer.len() {
         stream.writable().await.map_err(|e| NetError::io(op.describe(bucket), peer, e))?;
         let r = fence.access(|| {
-            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let mut iov = [IoSlice::new(&[]); MAX_IOV + 1];
+            let mut covered = 0;
             // SAFETY: the engine keeps the pieces valid and unwritten until this bucket's ticket
             // completes or the fence is revoked, and the fence is held.
-            let n = cursor.spans(pieces, len, |i, r| iov[i] = IoSlice::new(unsafe { r.as_slice() }));
+            let n = cursor.spans(pieces, len, |i, r| {
+                covered += r.len;
+                iov[i] = IoSlice::new(unsafe { r.as_slice() })
+            });
+            let n = if covered == len {
+                iov[n] = IoSlice::new(&trailer[t..]);
+                n + 1
+            } else {
+                n
+            };
             stream.try_write_vectored(&iov[..n])
         });
         match r {
             None => return Err(aborted()),
             Some(Ok(0)) => return Err(TransportError::Closed { peer: peer.into(), what: op.describe(bucket) }),
             Some(Ok(n)) => {
-                cursor.advance(pieces, n as u64);
-                len -= n as u64;
+                let body = (n as u64).min(len);
+                cursor.advance(pieces, body);
+                len -= body;
+                t += n - body as usize;
             }
             Some(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Some(Err(e)) => return Err(NetError::io(op.describe(bucket), peer, e).into()),

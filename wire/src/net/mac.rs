@@ -257,8 +257,12 @@ impl MacPool {
                 }
                 *s = State::Running;
             }
-            let r = job();
-            *theirs.state.lock().unwrap_or_else(|e| e.into_inner()) = State::Done(r);
+            // A job that panics leaves no result (its wait says so) rather than a waiter forever.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            *theirs.state.lock().unwrap_or_else(|e| e.into_inner()) = match r {
+                Ok(r) => State::Done(r),
+                Err(_) => State::Cancelled,
+            };
             theirs.ran.notify_all();
             theirs.notify.notify_one();
         });
@@ -420,6 +424,8 @@ mod tests {
         let gone = MacPool::new("gone", 1);
         gone.inner.jobs.set(Some(mpsc::channel().0)).unwrap();
         assert_eq!(gone.spawn(|| 1).wait().await, None, "a pool whose threads are gone says so");
+        assert_eq!(pool.spawn(|| -> u8 { panic!("a job that panics") }).wait().await, None);
+        assert_eq!(pool.spawn(|| 3).wait().await, Some(3), "the pool outlives a job that panicked");
         let inline = MacPool::new("inline", 1);
         inline.inner.jobs.set(None).unwrap();
         assert_eq!(inline.spawn(|| 2).wait().await, Some(2), "a pool without threads runs jobs in place");
