@@ -616,15 +616,19 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
                     ..Default::default()
                 });
             }
-            "tagged" => {
+            "tagged" | "chunked" => {
                 let conn = raw.as_mut().context("no raw stream was set up (--raw-port)")?;
                 let parts: Vec<&[u8]> = (0..source.len()).map(|i| source.tensor(i)).collect();
                 let start = Instant::now();
-                net::write_records(conn, &mut tags.send, &macs, &parts).await?;
+                if cmd == "tagged" {
+                    net::write_records(conn, &mut tags.send, &macs, &parts).await?;
+                } else {
+                    write_in_records(conn, &parts).await?;
+                }
                 let mut ack = [0u8; 1];
                 conn.read_exact(&mut ack).await?;
                 emit(&PeerEvent {
-                    event: "tagged".into(),
+                    event: cmd.clone(),
                     process: s.name.clone(),
                     ok: true,
                     secs: Some(start.elapsed().as_secs_f64()),
@@ -735,16 +739,20 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
                     ..Default::default()
                 });
             }
-            "tagged" => {
+            "tagged" | "chunked" => {
                 let conn =
                     raw.as_mut().context("this receiver has no raw stream (--raw-port on the first receiver)")?;
                 let total = dest.total_bytes();
                 let start = Instant::now();
                 let mut bufs: Vec<&mut [u8]> = dest.tensors_mut().collect();
-                net::read_records_into(conn, &mut tags.recv, &macs, &mut bufs).await?;
+                if cmd == "tagged" {
+                    net::read_records_into(conn, &mut tags.recv, &macs, &mut bufs).await?;
+                } else {
+                    read_in_records(conn, &mut bufs).await?;
+                }
                 conn.write_all(&[1]).await?;
                 emit(&PeerEvent {
-                    event: "tagged".into(),
+                    event: cmd.clone(),
                     process: s.name.clone(),
                     ok: true,
                     secs: Some(start.elapsed().as_secs_f64()),
@@ -755,6 +763,44 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
             "slow" => receiver.transports_mut().for_each(|t| t.delay = Duration::from_millis(arg)),
             "quit" => break,
             other => bail!("unknown peer command `{other}`"),
+        }
+    }
+    Ok(())
+}
+
+/// Writes `parts` (as one stream) in writes of one record each, without tags: the tagged
+/// stream's reference for what tagging alone costs.
+async fn write_in_records(conn: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = Vec::new();
+    let mut room = net::RECORD_BYTES;
+    for part in parts {
+        let mut rest: &[u8] = part;
+        while !rest.is_empty() {
+            let take = rest.len().min(room);
+            slices.push(IoSlice::new(&rest[..take]));
+            (rest, room) = (&rest[take..], room - take);
+            if room == 0 {
+                net::write_all_slices(conn, &mut slices).await?;
+                (slices, room) = (Vec::new(), net::RECORD_BYTES);
+            }
+        }
+    }
+    net::write_all_slices(conn, &mut slices).await
+}
+
+/// Fills `bufs` (as one stream) in reads of at most one record each, as the tagged stream's
+/// reader does, without tags.
+async fn read_in_records(conn: &mut TcpStream, bufs: &mut [&mut [u8]]) -> std::io::Result<()> {
+    let mut room = net::RECORD_BYTES;
+    for buf in bufs.iter_mut() {
+        let mut at = 0;
+        while at < buf.len() {
+            let take = (buf.len() - at).min(room);
+            conn.read_exact(&mut buf[at..at + take]).await?;
+            (at, room) = (at + take, room - take);
+            if room == 0 {
+                room = net::RECORD_BYTES;
+            }
         }
     }
     Ok(())
@@ -1013,9 +1059,15 @@ impl Harness {
     }
 
     /// The same stream with every 256 KiB record tagged and checked as the refit's are (helper
-    /// threads on both sides, no copy): the cost of frame authentication alone.
+    /// threads on both sides, no copy).
     pub async fn tagged(&mut self) -> anyhow::Result<f64> {
         self.reference("tagged").await
+    }
+
+    /// The same stream in writes and reads of one record each, without tags: with
+    /// [`Harness::tagged`], the cost of frame authentication alone.
+    pub async fn chunked(&mut self) -> anyhow::Result<f64> {
+        self.reference("chunked").await
     }
 
     async fn reference(&mut self, kind: &str) -> anyhow::Result<f64> {
@@ -1102,8 +1154,13 @@ pub struct BenchReport {
     pub ratio_to_raw: Option<f64>,
     /// Median seconds of the tagged reference stream (None for sharded runs).
     pub tagged_secs: Option<f64>,
-    /// raw_secs / tagged_secs: what tagging every record leaves of the raw stream's speed.
+    /// raw_secs / tagged_secs.
     pub tagged_to_raw: Option<f64>,
+    /// Median seconds of the same stream in untagged records (None for sharded runs).
+    pub chunked_secs: Option<f64>,
+    /// chunked_secs / tagged_secs: what tagging every record leaves of the speed of the same
+    /// stream, cut alike, without tags.
+    pub tagged_to_chunked: Option<f64>,
     /// The sender's phase timings of the median refit.
     pub sender_stats: RefitStats,
     /// The first receiver's phase timings of the median refit.
@@ -1179,10 +1236,17 @@ fn print_report(report: &BenchReport) {
     if let (Some(secs), Some(gbps)) = (report.raw_secs, report.raw_gbps) {
         println!("  raw loopback stream (sender → first receiver): {secs:.4} s median, {gbps:.2} GB/s");
     }
-    if let (Some(secs), Some(ratio)) = (report.tagged_secs, report.tagged_to_raw) {
+    if let (Some(secs), Some(raw)) = (report.chunked_secs, report.raw_secs) {
+        let gbps = report.bytes as f64 / secs / 1e9;
+        let ratio = raw / secs;
+        println!(
+            "  the same stream in 256 KiB records, untagged: {secs:.4} s median, {gbps:.2} GB/s, {ratio:.3} × raw"
+        );
+    }
+    if let (Some(secs), Some(ratio)) = (report.tagged_secs, report.tagged_to_chunked) {
         let gbps = report.bytes as f64 / secs / 1e9;
         println!(
-            "  the same stream, every record tagged and checked: {secs:.4} s median, {gbps:.2} GB/s, {ratio:.3} × raw"
+            "  the same records, each tagged and checked: {secs:.4} s median, {gbps:.2} GB/s, {ratio:.3} × untagged records"
         );
     }
     println!(
@@ -1210,6 +1274,7 @@ fn print_report(report: &BenchReport) {
 struct Samples {
     raws: Vec<f64>,
     tagged: Vec<f64>,
+    chunked: Vec<f64>,
     refits: Vec<Round>,
     verified: u32,
     senders: u32,
@@ -1246,9 +1311,10 @@ async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
             for iter in 0..=args.iters {
                 version += 1;
                 if raw_enabled {
-                    let (raw, tagged) = (h.raw().await?, h.tagged().await?);
+                    let (raw, chunked, tagged) = (h.raw().await?, h.chunked().await?, h.tagged().await?);
                     if iter > 0 {
                         s.raws.push(raw);
+                        s.chunked.push(chunked);
                         s.tagged.push(tagged);
                     }
                 }
@@ -1276,6 +1342,7 @@ async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
             .expect("at least one refit");
         let raw_secs = (!s.raws.is_empty()).then(|| median(&mut s.raws));
         let tagged_secs = (!s.tagged.is_empty()).then(|| median(&mut s.tagged));
+        let chunked_secs = (!s.chunked.is_empty()).then(|| median(&mut s.chunked));
         reports.push(BenchReport {
             model: args.model.to_string(),
             tensors,
@@ -1294,6 +1361,8 @@ async fn bench(args: &Args) -> anyhow::Result<Vec<BenchReport>> {
             ratio_to_raw: raw_secs.map(|r| r / refit_secs),
             tagged_secs,
             tagged_to_raw: raw_secs.zip(tagged_secs).map(|(r, t)| r / t),
+            chunked_secs,
+            tagged_to_chunked: chunked_secs.zip(tagged_secs).map(|(c, t)| c / t),
             sender_stats: median_round.senders[0].stats.clone().unwrap_or_default(),
             receiver_stats: median_round.receivers[0].stats.clone().unwrap_or_default(),
             verified: s.verified,
