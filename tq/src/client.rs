@@ -26,7 +26,7 @@ use super::codec::{self, Block, Body, CONTROLLER_MAGIC, ErrorCode, Header, Outgo
 use super::column::{ABSENT, Batch, BatchMeta, Column, FieldSpec, SampleTags};
 use super::controller::{AckReport, Claim, ClearReport, connect_unit};
 use super::storage::{FieldSlices, StorageUnit};
-use rlplane_wire::net::{self, Connection, FrameMac, Hello, JobAuth, MacPool, NetError};
+use rlplane_wire::net::{self, Connection, FrameMac, Hello, JobAuth, MacPool, NetError, RecordChecks};
 
 /// Whether this process may write back.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -563,14 +563,14 @@ impl TqClient {
         let h = self.header();
         let body = Body::Put { partition: partition.into(), keys: part_keys, block };
         let mut out = Outgoing::new(&h, &body);
-        for (c, off) in columns.iter().zip(&offsets) {
+        for (c, off) in columns.iter().zip(offsets) {
             if c.spec().ragged {
-                out.buffer(vec![off.as_slice()]);
+                out.buffer(vec![Bytes::from(off)]);
             }
             if whole {
-                out.buffer(vec![c.values().as_ref()]);
+                out.buffer(vec![c.values().clone()]);
             } else {
-                out.buffer(part.idx.iter().map(|&i| &c.values()[c.sample_range(i)]).collect());
+                out.buffer(part.idx.iter().map(|&i| c.values().slice(c.sample_range(i))).collect());
             }
         }
         // The unit may hold the reply for up to the put timeout (backpressure).
@@ -803,6 +803,8 @@ async fn read_get_columns<R: tokio::io::AsyncReadExt + Unpin>(
     regions: &mut [&mut [u8]],
 ) -> Result<(), TqError> {
     let bad = |what: String| TqError::Protocol { peer: addr.into(), what };
+    // The checks of every field's records: each runs beside the reading of the next.
+    let mut checks = RecordChecks::new();
     if block.n as usize != chunk.len() || block.columns.len() != want.names.len() {
         return Err(bad(format!(
             "{} samples × {} fields where {} × {} were asked for",
@@ -838,9 +840,13 @@ async fn read_get_columns<R: tokio::io::AsyncReadExt + Unpin>(
                 )));
             }
         }
-        codec::read_buffer_into(rd, mac, pool, region, &spec.name).await.map_err(|e| read_error(addr, e))?;
+        // SAFETY: the regions are parts of the buffers `TqClient::get` allocated: they belong to
+        // its future (leaked, they leak with it), and the checks finish below, before it uses them.
+        unsafe { codec::read_buffer_into((&mut *rd, &mut *mac, pool), &mut checks, region, &spec.name) }
+            .await
+            .map_err(|e| read_error(addr, e))?;
     }
-    Ok(())
+    codec::finish_checks(&mut checks).await.map_err(|e| read_error(addr, e))
 }
 
 /// The fields a get reads: their names, schema indices, rows per sample of the metadata and

@@ -25,7 +25,8 @@
 use std::io::IoSlice;
 use std::sync::Arc;
 
-use rlplane_wire::net::{self, FrameMac, MacPool};
+use bytes::Bytes;
+use rlplane_wire::net::{self, FrameMac, MacPool, Outbound, RecordChecks};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleTags, extend_le32, read_le32};
@@ -880,41 +881,43 @@ pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
 }
 
 /// One outgoing message: its header frame and its buffer frames, each buffer made of any number
-/// of borrowed parts (e.g. the stored bytes of every sample), written with vectored writes.
-pub struct Outgoing<'a> {
+/// of shared parts (e.g. the stored bytes of every sample), written with vectored writes, without
+/// copying them.
+pub struct Outgoing {
     frame: Vec<u8>,
-    buffers: Vec<Vec<&'a [u8]>>,
+    buffers: Vec<Vec<Bytes>>,
 }
 
-impl<'a> Outgoing<'a> {
+impl Outgoing {
     /// A message without buffers.
-    pub fn new(header: &Header, body: &Body) -> Outgoing<'a> {
+    pub fn new(header: &Header, body: &Body) -> Outgoing {
         Outgoing { frame: encode(header, body), buffers: Vec::new() }
     }
 
     /// Appends one buffer frame made of `parts`.
-    pub fn buffer(&mut self, parts: Vec<&'a [u8]>) {
+    pub fn buffer(&mut self, parts: Vec<Bytes>) {
         self.buffers.push(parts);
     }
 
     /// Writes the message, tagging its frames and records with `mac` (large records on `pool`'s
-    /// threads, ahead of the bytes being written).
+    /// threads, all of them started before the first byte goes out).
     pub async fn write<W: AsyncWrite + Unpin>(
         &self,
         w: &mut W,
         mac: &mut FrameMac,
         pool: &MacPool,
     ) -> std::io::Result<()> {
-        let frame_len = (self.frame.len() as u32).to_le_bytes();
-        let tag = mac.tag(&[&self.frame]);
-        let mut head = [IoSlice::new(&frame_len), IoSlice::new(&self.frame), IoSlice::new(&tag)];
-        write_all_vectored(w, &mut head).await?;
+        let mut head = Vec::with_capacity(4 + self.frame.len() + net::TAG_LEN);
+        head.extend_from_slice(&(self.frame.len() as u32).to_le_bytes());
+        head.extend_from_slice(&self.frame);
+        head.extend_from_slice(&mac.tag(&[&self.frame]));
+        let mut message = vec![Outbound::Plain(Bytes::from(head))];
         for parts in &self.buffers {
             let len = parts.iter().map(|s| s.len() as u64).sum::<u64>();
-            w.write_all(&len.to_le_bytes()).await?;
-            net::write_records(w, mac, pool, parts).await?;
+            message.push(Outbound::Plain(Bytes::copy_from_slice(&len.to_le_bytes())));
+            message.push(Outbound::Records(parts.clone()));
         }
-        w.flush().await
+        net::write_message(w, mac, pool, &message).await
     }
 }
 
@@ -998,17 +1001,28 @@ async fn read_len<R: AsyncReadExt + Unpin>(r: &mut R, expected: u64, what: &str)
     Ok(())
 }
 
-/// Reads one buffer frame straight into `dst`, whose length is the declared one, checking its
-/// records' tags with `mac` (large records on `pool`'s threads, while the next ones arrive).
-pub async fn read_buffer_into<R: AsyncReadExt + Unpin>(
-    r: &mut R,
-    mac: &mut FrameMac,
-    pool: &MacPool,
+/// Reads one buffer frame straight into `dst`, whose length is the declared one, starting its
+/// records' checks in `checks` (large records on `pool`'s threads, while the next ones arrive).
+/// The bytes may be used once `checks` finished without an error ([`finish_checks`]).
+///
+/// # Safety
+/// As [`RecordChecks::read`]: `dst` stays allocated, and nothing else writes it, until `checks`
+/// are finished or dropped, even if this future is leaked.
+pub async unsafe fn read_buffer_into<R: AsyncReadExt + Unpin>(
+    (r, mac, pool): (&mut R, &mut FrameMac, &MacPool),
+    checks: &mut RecordChecks,
     dst: &mut [u8],
     what: &str,
 ) -> Result<(), ReadError> {
     read_len(r, dst.len() as u64, what).await?;
-    net::read_records(r, mac, pool, dst).await.map_err(records_error)
+    let mut dsts = [dst];
+    // SAFETY: forwarded from the caller.
+    unsafe { checks.read(r, mac, pool, &mut dsts) }.await.map_err(records_error)
+}
+
+/// Waits for `checks`: a record whose tag failed is a malformed frame.
+pub async fn finish_checks(checks: &mut RecordChecks) -> Result<(), ReadError> {
+    checks.finish().await.map_err(records_error)
 }
 
 /// A zeroed buffer of `len` bytes for a socket to fill. Large ones ask for transparent huge pages
@@ -1044,7 +1058,8 @@ pub async fn read_buffer<R: AsyncReadExt + Unpin>(
 ) -> Result<Vec<u8>, ReadError> {
     read_len(r, expected, what).await?;
     let mut v = receive_buffer(expected as usize);
-    net::read_records(r, mac, pool, &mut v).await.map_err(records_error)?;
+    // SAFETY: `v` belongs to this future: leaked, it leaks with it; else it outlives the checks.
+    unsafe { net::read_records(r, mac, pool, &mut v) }.await.map_err(records_error)?;
     Ok(v)
 }
 

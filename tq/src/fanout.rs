@@ -128,13 +128,12 @@ impl FanoutSender for TcpFanoutLeader {
             columns: batch.columns.iter().map(|c| (c.spec().clone(), c.nbytes() as u64)).collect(),
         };
         let h = Header { version: WIRE_VERSION, request_id: 0, token: self.token.clone() };
-        let offsets: Vec<Vec<u8>> = batch.columns.iter().map(|c| codec::encode_offsets(c.offsets())).collect();
         let mut out = Outgoing::new(&h, &Body::Fanout { meta: batch.meta.clone(), block });
-        for (c, off) in batch.columns.iter().zip(&offsets) {
+        for c in &batch.columns {
             if c.spec().ragged {
-                out.buffer(vec![off.as_slice()]);
+                out.buffer(vec![Bytes::from(codec::encode_offsets(c.offsets()))]);
             }
-            out.buffer(vec![c.values().as_ref()]);
+            out.buffer(vec![c.values().clone()]);
         }
         let (out, macs) = (&out, &self.macs);
         let sends = self.followers.iter_mut().map(|(name, s)| async move {

@@ -588,11 +588,11 @@ pub async fn write_data(
     let offsets: Vec<Vec<u8>> =
         fields.iter().map(|f| if f.spec.ragged { codec::encode_offsets(&f.offsets()) } else { Vec::new() }).collect();
     let mut out = Outgoing::new(header, &Body::Data { block });
-    for (f, off) in fields.iter().zip(&offsets) {
+    for (f, off) in fields.iter().zip(offsets) {
         if f.spec.ragged {
-            out.buffer(vec![off.as_slice()]);
+            out.buffer(vec![Bytes::from(off)]);
         }
-        out.buffer(f.samples.iter().map(|(b, _)| b.as_ref()).collect());
+        out.buffer(f.samples.iter().map(|(b, _)| b.clone()).collect());
     }
     out.write(&mut conn.stream, &mut conn.session.send, pool).await
 }

@@ -40,7 +40,9 @@ pub use handshake::{
 };
 pub use key::{KeyError, issue_key_file, write_key_file};
 pub use mac::{BadTag, FrameKey, FrameMac, MacPool, Pending, RECORD_BYTES, Session, Span, TAG_LEN, Tag};
-pub use records::{read_records, read_records_into, skip_records, wire_len, write_all_slices, write_records};
+pub use records::{
+    Outbound, RecordChecks, read_records, skip_records, wire_len, write_all_slices, write_message, write_records,
+};
 pub use socket::{
     NetError, bind, connect_retry, is_transient_accept_error, reserve_loopback_port, serve_connections, tune, until,
 };

@@ -553,6 +553,7 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
     // The tagged reference stream's keys (no handshake on the reference connection) and threads,
     // as a refit transport has them.
     let (mut tags, macs) = (net::Session::fixed_pair(1).0, net::MacPool::new("raw", 2));
+    let mut shared: Option<Vec<bytes::Bytes>> = None;
     emit(&PeerEvent { event: "ready".into(), process: s.name.clone(), ok: true, ..Default::default() });
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     let mut broken = false;
@@ -618,11 +619,15 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
             }
             "tagged" | "chunked" => {
                 let conn = raw.as_mut().context("no raw stream was set up (--raw-port)")?;
-                let parts: Vec<&[u8]> = (0..source.len()).map(|i| source.tensor(i)).collect();
+                // The tag threads read shared buffers: a copy of the tensors, made once, untimed.
+                let shared = shared.get_or_insert_with(|| {
+                    (0..source.len()).map(|i| bytes::Bytes::copy_from_slice(source.tensor(i))).collect::<Vec<_>>()
+                });
                 let start = Instant::now();
                 if cmd == "tagged" {
-                    net::write_records(conn, &mut tags.send, &macs, &parts).await?;
+                    net::write_records(conn, &mut tags.send, &macs, shared).await?;
                 } else {
+                    let parts: Vec<&[u8]> = shared.iter().map(|b| b.as_ref()).collect();
                     write_in_records(conn, &parts).await?;
                 }
                 let mut ack = [0u8; 1];
@@ -746,7 +751,10 @@ async fn run_receiver(s: &PeerSetup, args: &PeerArgs, first: bool) -> anyhow::Re
                 let start = Instant::now();
                 let mut bufs: Vec<&mut [u8]> = dest.tensors_mut().collect();
                 if cmd == "tagged" {
-                    net::read_records_into(conn, &mut tags.recv, &macs, &mut bufs).await?;
+                    let mut checks = net::RecordChecks::new();
+                    // SAFETY: `dest` belongs to this loop, which finishes the checks right here.
+                    unsafe { checks.read(conn, &mut tags.recv, &macs, &mut bufs) }.await?;
+                    checks.finish().await?;
                 } else {
                     read_in_records(conn, &mut bufs).await?;
                 }

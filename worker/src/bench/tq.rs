@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
+use bytes::Bytes;
 use rlplane_api::spec::TqPlacement;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -661,7 +662,8 @@ async fn raw_sink_peer() -> anyhow::Result<()> {
             let mut buf = crate::tq::codec::receive_buffer((len & !(TAGGED | CHUNKED)) as usize);
             let start = Instant::now();
             if len & TAGGED != 0 {
-                net::read_records(&mut s, &mut tags.recv, &macs, &mut buf).await?;
+                // SAFETY: `buf` belongs to this loop and outlives the call, which checks every record.
+                unsafe { net::read_records(&mut s, &mut tags.recv, &macs, &mut buf) }.await?;
             } else {
                 for record in buf.chunks_mut(net::RECORD_BYTES) {
                     s.read_exact(record).await?;
@@ -718,7 +720,7 @@ async fn raw_stream(
     sink: &mut PeerProcess,
     addr: &str,
     bytes: u64,
-    buf: &[u8],
+    buf: &Bytes,
     mode: RawMode,
     tagger: &mut TaggedSender,
 ) -> anyhow::Result<f64> {
@@ -727,7 +729,7 @@ async fn raw_stream(
     match mode {
         RawMode::Tagged => {
             s.write_u64_le(n as u64 | TAGGED).await?;
-            net::write_records(&mut s, &mut tagger.tags.send, &tagger.macs, &[&buf[..n]]).await?;
+            net::write_records(&mut s, &mut tagger.tags.send, &tagger.macs, &[buf.slice(..n)]).await?;
         }
         RawMode::Chunked => {
             s.write_u64_le(n as u64 | CHUNKED).await?;
@@ -1085,6 +1087,7 @@ async fn bench(a: Args) -> anyhow::Result<()> {
     let mut raw_buf = vec![0u8; step_guess];
     let mut m = Mix(1);
     raw_buf.chunks_mut(8).for_each(|c| c.copy_from_slice(&m.next().to_le_bytes()[..c.len()]));
+    let raw_buf = Bytes::from(raw_buf);
 
     // Steps.
     let per_producer = a.samples.div_ceil(s);
