@@ -1020,6 +1020,27 @@ pub async unsafe fn read_buffer_into<R: AsyncReadExt + Unpin>(
     unsafe { checks.read(r, mac, pool, &mut dsts) }.await.map_err(records_error)
 }
 
+/// [`read_buffer`] leaving its records' checks in `checks`: the bytes may be used once `checks`
+/// finished without an error ([`finish_checks`]).
+///
+/// # Safety
+/// The returned vector stays allocated, and nothing writes it, until `checks` are finished or
+/// dropped, even if the caller's future is leaked (keep it in that future, dropped after
+/// `checks`).
+pub async unsafe fn read_buffer_later<R: AsyncReadExt + Unpin>(
+    (r, mac, pool): &mut (&mut R, &mut FrameMac, &MacPool),
+    checks: &mut RecordChecks,
+    expected: u64,
+    what: &str,
+) -> Result<Vec<u8>, ReadError> {
+    read_len(r, expected, what).await?;
+    let mut v = receive_buffer(expected as usize);
+    let mut dsts = [&mut v[..]];
+    // SAFETY: forwarded from the caller (moving the vector does not move its bytes).
+    unsafe { checks.read(*r, mac, pool, &mut dsts) }.await.map_err(records_error)?;
+    Ok(v)
+}
+
 /// Waits for `checks`: a record whose tag failed is a malformed frame.
 pub async fn finish_checks(checks: &mut RecordChecks) -> Result<(), ReadError> {
     checks.finish().await.map_err(records_error)

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use super::codec::{self, Block, Body, ErrorCode, Header, Outgoing, ReadError, STORAGE_MAGIC, WIRE_VERSION};
 use super::column::{Column, FieldSpec};
-use rlplane_wire::net::{self, Connection, JobAuth, MacPool, NetError};
+use rlplane_wire::net::{self, Connection, JobAuth, MacPool, NetError, RecordChecks};
 
 /// Errors of a storage unit. Each names the unit and what to change.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -520,27 +520,22 @@ impl StorageServer {
             }
         };
         let mut raw = Vec::with_capacity(block.columns.len());
+        // Declared after `raw`, so dropped first: a drop waits for the checks reading its buffers.
+        let mut checks = RecordChecks::new();
+        let link = &mut (&mut conn.stream, &mut conn.session.recv, &self.macs);
         for (spec, len) in &block.columns {
             let offsets = if spec.ragged {
-                Some(
-                    codec::read_buffer(
-                        &mut conn.stream,
-                        &mut conn.session.recv,
-                        &self.macs,
-                        (block.n as u64 + 1) * 8,
-                        &spec.name,
-                    )
-                    .await
-                    .map_err(|e| read_err(peer, e))?,
-                )
+                // SAFETY: the buffer goes into `raw`, owned by this future, until the checks finish.
+                let b = unsafe { codec::read_buffer_later(link, &mut checks, (block.n as u64 + 1) * 8, &spec.name) };
+                Some(b.await.map_err(|e| read_err(peer, e))?)
             } else {
                 None
             };
-            let values = codec::read_buffer(&mut conn.stream, &mut conn.session.recv, &self.macs, *len, &spec.name)
-                .await
-                .map_err(|e| read_err(peer, e))?;
-            raw.push((spec, offsets, values));
+            // SAFETY: as above.
+            let values = unsafe { codec::read_buffer_later(link, &mut checks, *len, &spec.name) };
+            raw.push((spec, offsets, values.await.map_err(|e| read_err(peer, e))?));
         }
+        codec::finish_checks(&mut checks).await.map_err(|e| read_err(peer, e))?;
         let mut columns = Vec::with_capacity(raw.len());
         for (spec, offsets, values) in raw {
             let bad = |what: String| StorageError::BadRequest { unit: self.unit.id, what, code: ErrorCode::Malformed };

@@ -1,8 +1,8 @@
 //! Bulk bytes as tagged records ([`super::mac`]): a body of known length travels as records of at
 //! most [`RECORD_BYTES`], each followed by its [`TAG_LEN`]-byte tag. Records of at least
 //! [`OFF_THREAD_BYTES`] are tagged and checked on a [`MacPool`] beside the socket I/O: a writer
-//! has every record of a message tagged while it writes the first ones, a reader checks records
-//! while the next ones arrive. Neither copies the bytes.
+//! has the next records tagged while it writes one, a reader checks records while the next ones
+//! arrive. Neither copies the bytes.
 //!
 //! Soundness: helper threads never read memory that a caller could free while they run. A
 //! writer's parts are [`Bytes`] (shared and immutable: each job holds its own references), and a
@@ -16,13 +16,15 @@ use std::io::{self, IoSlice};
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::mac::{BadTag, FrameMac, MacPool, Pending, RECORD_BYTES, Span, TAG_LEN, Tag};
+use super::mac::{BadTag, FrameKey, FrameMac, MacPool, Pending, RECORD_BYTES, Span, TAG_LEN, Tag};
 
 /// Records smaller than this are tagged and checked on the caller's thread: handing them over
 /// costs more.
 pub const OFF_THREAD_BYTES: usize = 64 << 10;
 /// Records a reader may have read and not yet checked.
 const IN_FLIGHT: usize = 8;
+/// Large records a writer has tagged, or has being tagged, ahead of the one it writes.
+const AHEAD: usize = 4;
 /// Slices per vectored write (the kernel's IOV_MAX is 1024).
 const MAX_IOV: usize = 512;
 
@@ -33,12 +35,6 @@ pub enum Outbound {
     Plain(Bytes),
     /// A body (its parts concatenated) sent as tagged records.
     Records(Vec<Bytes>),
-}
-
-/// A record's tag: made on this thread, or being made on a helper thread.
-enum Tagging {
-    Ready(Tag),
-    Running(Pending<Tag>),
 }
 
 /// The records of `parts` (concatenated): each record's slices.
@@ -66,54 +62,60 @@ fn cut(parts: &[Bytes]) -> Vec<Vec<Bytes>> {
 }
 
 /// Writes a message: its plain pieces as they are and its bodies as tagged records, tagged with
-/// `mac` in order. Every large record's tag is started on `pool` before the first byte goes out;
-/// small pieces and records are gathered into the vectored write of the next large record (or
-/// the last write), so a small message is one system call.
+/// `mac` in order. Large records are tagged on `pool` up to [`AHEAD`] records ahead of the one
+/// being written (a bounded window, so that the messages of other connections sharing the pool
+/// are not queued behind all of this one's); small pieces and records are gathered into the
+/// vectored write of the next large record (or the last write), so a small message is one system
+/// call.
 pub async fn write_message<W: AsyncWrite + Unpin>(
     w: &mut W,
     mac: &mut FrameMac,
     pool: &MacPool,
     message: &[Outbound],
 ) -> io::Result<()> {
-    // Every record of the message, with its tag under way.
-    let mut pieces: Vec<(Vec<Bytes>, Option<Tagging>)> = Vec::new();
+    // Every piece in order, with the key of each record (drawn in order, tagged later).
+    let mut pieces: Vec<(Vec<Bytes>, Option<FrameKey>)> = Vec::new();
     for piece in message {
         match piece {
             Outbound::Plain(b) => pieces.push((vec![b.clone()], None)),
-            Outbound::Records(parts) => {
-                for record in cut(parts) {
-                    let key = mac.next_key();
-                    let len: usize = record.iter().map(Bytes::len).sum();
-                    let tagging = if len >= OFF_THREAD_BYTES {
-                        let mine = record.clone();
-                        Tagging::Running(pool.spawn(move || {
-                            let parts: Vec<&[u8]> = mine.iter().map(|b| b.as_ref()).collect();
-                            key.tag(&parts)
-                        }))
-                    } else {
-                        let parts: Vec<&[u8]> = record.iter().map(|b| b.as_ref()).collect();
-                        Tagging::Ready(key.tag(&parts))
-                    };
-                    pieces.push((record, Some(tagging)));
-                }
-            }
+            Outbound::Records(parts) => pieces.extend(cut(parts).into_iter().map(|r| (r, Some(mac.next_key())))),
         }
     }
+    let large = |(slices, key): &(Vec<Bytes>, Option<FrameKey>)| {
+        key.is_some() && slices.iter().map(Bytes::len).sum::<usize>() >= OFF_THREAD_BYTES
+    };
+    let mut running: VecDeque<Pending<Tag>> = VecDeque::new();
+    let mut started = 0;
     let mut out: Vec<Bytes> = Vec::new();
     let mut pending_bytes = 0;
-    for (slices, tagging) in pieces {
-        let large = matches!(tagging, Some(Tagging::Running(_)));
-        pending_bytes += slices.iter().map(Bytes::len).sum::<usize>();
-        out.extend(slices);
-        match tagging {
-            None => {}
-            Some(Tagging::Ready(t)) => out.push(Bytes::copy_from_slice(&t)),
-            Some(Tagging::Running(p)) => {
-                let t = p.wait().await.ok_or_else(|| io::Error::other("the tag threads are gone"))?;
-                out.push(Bytes::copy_from_slice(&t));
+    for i in 0..pieces.len() {
+        // Keep the next AHEAD large records' tags under way.
+        while started < pieces.len() && running.len() < AHEAD {
+            if large(&pieces[started]) {
+                let (record, key) = (pieces[started].0.clone(), pieces[started].1.clone().expect("a record"));
+                running.push_back(pool.spawn(move || {
+                    let parts: Vec<&[u8]> = record.iter().map(|b| b.as_ref()).collect();
+                    key.tag(&parts)
+                }));
             }
+            started += 1;
         }
-        if large || out.len() >= MAX_IOV || pending_bytes >= RECORD_BYTES {
+        let is_large = large(&pieces[i]);
+        let (slices, key) = std::mem::take(&mut pieces[i]);
+        pending_bytes += slices.iter().map(Bytes::len).sum::<usize>();
+        let tag = match key {
+            None => None,
+            Some(_) if is_large => {
+                let p = running.pop_front().expect("a large record's tag was started");
+                Some(p.wait().await.ok_or_else(|| io::Error::other("the tag threads are gone"))?)
+            }
+            Some(key) => Some(key.tag(&slices.iter().map(|b| b.as_ref()).collect::<Vec<_>>())),
+        };
+        out.extend(slices);
+        if let Some(t) = tag {
+            out.push(Bytes::copy_from_slice(&t));
+        }
+        if is_large || out.len() >= MAX_IOV || pending_bytes >= RECORD_BYTES {
             write_all_bytes(w, &out).await?;
             (out, pending_bytes) = (Vec::new(), 0);
         }
