@@ -19,7 +19,7 @@ use super::TqError;
 use super::client::TqClient;
 use super::codec::{self, Block, Body, FANOUT_MAGIC, Header, Outgoing, ReadError, WIRE_VERSION};
 use super::column::{Batch, BatchMeta, Column};
-use rlplane_wire::net::{self, Connection, Hello, JobAuth, MacPool, NetError};
+use rlplane_wire::net::{self, Connection, Hello, JobAuth, MacPool, NetError, RecordChecks};
 
 /// Sends a batch to every follower of a fan-out group.
 pub trait FanoutSender {
@@ -230,32 +230,38 @@ impl FanoutReceiver for TcpFanoutFollower {
         if total > self.max_bytes {
             return Err(bad(format!("a batch of {total} bytes, over this follower's limit of {}", self.max_bytes)));
         }
-        let mut columns = Vec::with_capacity(block.columns.len());
+        let rd = |e| match e {
+            ReadError::Io(e) => TqError::from(NetError::io("receiving a batch", peer.as_str(), e)),
+            ReadError::Codec(e) => bad(e.to_string()),
+        };
+        // Every buffer first, each one's checks beside the reading of the next; nothing is decoded
+        // before all of them checked out. `raw` is declared before `checks`, so dropped after it
+        // (a drop waits for the checks reading its buffers).
+        let mut raw = Vec::with_capacity(block.columns.len());
+        let mut checks = RecordChecks::new();
+        let link = &mut (&mut self.conn.stream, &mut self.conn.session.recv, &self.macs);
         for (spec, len) in &block.columns {
-            let rd = |e| match e {
-                ReadError::Io(e) => TqError::from(NetError::io("receiving a batch", peer.as_str(), e)),
-                ReadError::Codec(e) => bad(e.to_string()),
-            };
             let offsets = if spec.ragged {
-                let c = &mut self.conn;
-                let raw = codec::read_buffer(
-                    &mut c.stream,
-                    &mut c.session.recv,
-                    &self.macs,
-                    (block.n as u64 + 1) * 8,
-                    &spec.name,
-                )
-                .await
-                .map_err(rd)?;
-                codec::decode_offsets(&spec.name, &raw, block.n, *len, spec.row_bytes().unwrap_or(1))
-                    .map_err(|e| bad(e.to_string()))?
+                // SAFETY: the buffer goes into `raw`, owned by this future, until the checks finish.
+                let b = unsafe { codec::read_buffer_later(link, &mut checks, (block.n as u64 + 1) * 8, &spec.name) };
+                Some(b.await.map_err(rd)?)
             } else {
-                Vec::new()
+                None
             };
-            let c = &mut self.conn;
-            let values = codec::read_buffer(&mut c.stream, &mut c.session.recv, &self.macs, *len, &spec.name)
-                .await
-                .map_err(rd)?;
+            // SAFETY: as above.
+            let values = unsafe { codec::read_buffer_later(link, &mut checks, *len, &spec.name) };
+            raw.push((spec, offsets, values.await.map_err(rd)?));
+        }
+        codec::finish_checks(&mut checks).await.map_err(rd)?;
+        let mut columns = Vec::with_capacity(raw.len());
+        for (spec, offsets, values) in raw {
+            let offsets = match offsets {
+                Some(b) => {
+                    codec::decode_offsets(&spec.name, &b, block.n, values.len() as u64, spec.row_bytes().unwrap_or(1))
+                        .map_err(|e| bad(e.to_string()))?
+                }
+                None => Vec::new(),
+            };
             columns.push(
                 Column::from_parts(spec.clone(), block.n as usize, Bytes::from(values), offsets)
                     .map_err(|e| bad(e.to_string()))?,
