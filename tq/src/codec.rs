@@ -854,32 +854,6 @@ pub fn tag_message_bytes(mac: &mut FrameMac, header: &Header, body: &Body, buffe
 // ---------------------------------------------------------------------------------------------
 // Stream I/O.
 
-/// Most slices handed to one `writev` (the kernel's IOV_MAX is 1024).
-const MAX_IOV: usize = 512;
-
-/// Writes every slice with vectored writes, in order, without copying them together.
-pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    mut slices: &mut [IoSlice<'_>],
-) -> std::io::Result<()> {
-    // Empty slices would make a zero-length write look like a closed socket.
-    while !slices.is_empty() {
-        let window = slices.len().min(MAX_IOV);
-        let n = w.write_vectored(&slices[..window]).await?;
-        if n == 0 {
-            let pending: usize = slices[..window].iter().map(|s| s.len()).sum();
-            if pending == 0 {
-                // Only empty slices in this window: skip them.
-                slices = &mut slices[window..];
-                continue;
-            }
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        IoSlice::advance_slices(&mut slices, n);
-    }
-    Ok(())
-}
-
 /// One outgoing message: its header frame and its buffer frames, each buffer made of any number
 /// of shared parts (e.g. the stored bytes of every sample), written with vectored writes, without
 /// copying them.
@@ -943,7 +917,7 @@ pub async fn write_message_with<W: AsyncWrite + Unpin>(
     encode_into(frame, header, body);
     let len = (frame.len() as u32).to_le_bytes();
     let tag = mac.tag(&[frame]);
-    write_all_vectored(w, &mut [IoSlice::new(&len), IoSlice::new(frame), IoSlice::new(&tag)]).await?;
+    net::write_all_slices(w, &mut [IoSlice::new(&len), IoSlice::new(frame), IoSlice::new(&tag)]).await?;
     w.flush().await
 }
 

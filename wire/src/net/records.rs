@@ -144,6 +144,7 @@ pub async fn write_all_slices<W: AsyncWrite + Unpin>(w: &mut W, mut slices: &mut
     while !slices.is_empty() {
         let window = slices.len().min(MAX_IOV);
         let n = w.write_vectored(&slices[..window]).await?;
+        // A window of empty slices writes nothing without the socket having closed: skip it.
         if n == 0 {
             if slices[..window].iter().all(|s| s.is_empty()) {
                 slices = &mut slices[window..];

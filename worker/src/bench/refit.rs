@@ -604,7 +604,7 @@ async fn run_sender(s: &PeerSetup, args: &PeerArgs) -> anyhow::Result<()> {
                 let conn = raw.as_mut().context("no raw stream was set up (--raw-port)")?;
                 let mut bufs: Vec<IoSlice<'_>> = (0..source.len()).map(|i| IoSlice::new(source.tensor(i))).collect();
                 let start = Instant::now();
-                crate::tq::codec::write_all_vectored(conn, &mut bufs).await?;
+                net::write_all_slices(conn, &mut bufs).await?;
                 let mut ack = [0u8; 1];
                 conn.read_exact(&mut ack).await?;
                 let secs = start.elapsed().as_secs_f64();
