@@ -35,15 +35,16 @@ async fn the_leader_fans_out_identical_bytes_to_every_follower() {
     let mut leader = c.client("trainer-0", &[]);
     let lead = leader.call_ok("lead trainer-1,trainer-2,trainer-3", T).await.unwrap();
     let addr = lead["listen"].as_str().unwrap().to_string();
-    // A stranger and a rank of another epoch are refused while the members join.
+    // A stranger and a rank of another epoch are refused while the leader waits for its members
+    // (once every member has joined, the leader stops listening: a latecomer is not told why).
     let mut stranger = follower("trainer-9", TOKEN, key_file(), &addr);
     let mut stale = follower("trainer-1", "e9-0000000000000000", &key_file_of([9; 32]), &addr);
-    let mut members: Vec<PeerProcess> =
-        ["trainer-1", "trainer-2", "trainer-3"].iter().map(|n| follower(n, TOKEN, key_file(), &addr)).collect();
     let s = stranger.recv(T).await.unwrap();
     assert!(s["error"].as_str().unwrap().contains("not a follower"), "{s}");
     let s = stale.recv(T).await.unwrap();
     assert!(s["error"].as_str().unwrap().contains("another job or epoch"), "{s}");
+    let mut members: Vec<PeerProcess> =
+        ["trainer-1", "trainer-2", "trainer-3"].iter().map(|n| follower(n, TOKEN, key_file(), &addr)).collect();
 
     leader.call_ok("claim step-0 train 48 48 input_ids", T).await.unwrap();
     let got = leader.call_ok("get input_ids,logprobs,loss_mask,reward", T).await.unwrap();
