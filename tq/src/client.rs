@@ -793,7 +793,7 @@ fn split_by_chunk<'r>(chunks: &[&[usize]], want: &Wanted<'_>, regions: Vec<&'r m
 /// Reads the columns of a get reply's `block` (the samples `chunk` of `meta`) from `rd` into
 /// `regions`, one per field of `want`, after checking that the unit sends what the controller's
 /// metadata says: the samples and fields asked for, with the same shapes, bytes and row counts.
-async fn read_get_columns<R: tokio::io::AsyncReadExt + Unpin>(
+async fn read_get_columns<R: tokio::io::AsyncReadExt + net::ReadVectored + Unpin>(
     (rd, mac, pool): (&mut R, &mut FrameMac, &MacPool),
     addr: &str,
     block: &Block,

@@ -3,7 +3,8 @@
 //! ```text
 //! header frame : u32 len | version u16 | kind u8 | flags u8 | request_id u32 | token str | body | tag
 //! buffer frame : u64 len | records                  (as many as the body's column block declares)
-//! records      : the len raw bytes in records of at most 256 KiB, each followed by its tag
+//! records      : the len raw bytes in records of at most 256 KiB (net::record_lens), each
+//!                followed by its tag
 //! str          : u32 len | UTF-8 bytes
 //! ```
 //! Everything is little-endian. A tag is 16 bytes of keyed BLAKE3 over the frame's (or record's)
@@ -32,7 +33,7 @@ use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleTags, extend_le32, read_le32};
 
 /// Version of the wire format; carried by every message. A peer of another version is refused.
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 4;
 
 /// Handshake magic of the controller service.
 pub const CONTROLLER_MAGIC: [u8; 4] = *b"TQCT";
@@ -843,9 +844,12 @@ pub fn tag_message_bytes(mac: &mut FrameMac, header: &Header, body: &Body, buffe
     v.extend_from_slice(&mac.tag(&[&frame]));
     for b in buffers {
         v.extend_from_slice(&(b.len() as u64).to_le_bytes());
-        for record in b.chunks(net::RECORD_BYTES) {
+        let mut rest = *b;
+        for len in net::record_lens(b.len()) {
+            let (record, after) = rest.split_at(len);
             v.extend_from_slice(record);
             v.extend_from_slice(&mac.tag(&[record]));
+            rest = after;
         }
     }
     v
@@ -982,7 +986,7 @@ async fn read_len<R: AsyncReadExt + Unpin>(r: &mut R, expected: u64, what: &str)
 /// # Safety
 /// As [`RecordChecks::read`]: `dst` stays allocated, and nothing else writes it, until `checks`
 /// are finished or dropped, even if this future is leaked.
-pub async unsafe fn read_buffer_into<R: AsyncReadExt + Unpin>(
+pub async unsafe fn read_buffer_into<R: AsyncReadExt + net::ReadVectored + Unpin>(
     (r, mac, pool): (&mut R, &mut FrameMac, &MacPool),
     checks: &mut RecordChecks,
     dst: &mut [u8],
@@ -1001,7 +1005,7 @@ pub async unsafe fn read_buffer_into<R: AsyncReadExt + Unpin>(
 /// The returned vector stays allocated, and nothing writes it, until `checks` are finished or
 /// dropped, even if the caller's future is leaked (keep it in that future, dropped after
 /// `checks`).
-pub async unsafe fn read_buffer_later<R: AsyncReadExt + Unpin>(
+pub async unsafe fn read_buffer_later<R: AsyncReadExt + net::ReadVectored + Unpin>(
     (r, mac, pool): &mut (&mut R, &mut FrameMac, &MacPool),
     checks: &mut RecordChecks,
     expected: u64,
@@ -1044,7 +1048,7 @@ pub fn receive_buffer(len: usize) -> Vec<u8> {
 
 /// Reads one buffer frame of the declared length into a new vector. The caller bounds `expected`
 /// (a storage unit by its capacity), so a lying header cannot make it allocate without limit.
-pub async fn read_buffer<R: AsyncReadExt + Unpin>(
+pub async fn read_buffer<R: AsyncReadExt + net::ReadVectored + Unpin>(
     r: &mut R,
     mac: &mut FrameMac,
     pool: &MacPool,
@@ -1241,7 +1245,7 @@ mod tests {
     #[test]
     fn meta_is_laid_out_as_documented() {
         // docs/transfer-queue.md, "Batch metadata": the bytes a Python peer reads.
-        let mut want = vec![3, 0, 1, 0, 7, 0, 0, 0, 1, 0, 0, 0, b't'];
+        let mut want = vec![4, 0, 1, 0, 7, 0, 0, 0, 1, 0, 0, 0, b't'];
         let s = |w: &mut Vec<u8>, x: &str| {
             w.extend_from_slice(&(x.len() as u32).to_le_bytes());
             w.extend_from_slice(x.as_bytes());

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use rlplane::net::{self, FrameMac, Hello, JobAuth, RECORD_BYTES, Session};
+use rlplane::net::{self, FrameMac, Hello, JobAuth, Session};
 use rlplane::tq::codec::{
     self, Block, Body, ErrorCode, Header, STORAGE_MAGIC, WIRE_VERSION, decode, decode_message_bytes,
     encode_message_bytes,
@@ -158,9 +158,12 @@ fn tagged(mac: &mut FrameMac, msg: &[u8]) -> Vec<u8> {
                 break;
             }
             let n = (got as usize).min(rest.len());
-            for record in rest[..n].chunks(RECORD_BYTES) {
+            let mut body = &rest[..n];
+            for len in net::record_lens(n) {
+                let (record, after) = body.split_at(len);
                 out.extend_from_slice(record);
                 out.extend_from_slice(&mac.tag(&[record]));
+                body = after;
             }
             rest = &rest[n..];
         }

@@ -38,7 +38,15 @@ def recv_exact(sock, n):
         got += k
     return bytes(buf)
 
-RECORD = 256 << 10
+RECORD, FIRST = 256 << 10, 16 << 10
+WIRE = 4
+
+def record_lens(n):
+    """The records a buffer of n bytes travels in: 16 KiB doubling up to 256 KiB at both ends."""
+    ramp, left, size = [], n, FIRST
+    while size < RECORD and left > 2 * size:
+        ramp.append(size); left -= 2 * size; size *= 2
+    return ramp + [min(RECORD, left - i) for i in range(0, left, RECORD)] + ramp[::-1]
 
 class Conn:
     """A connection after its handshake: every frame and record is tagged, every tag checked."""
@@ -52,8 +60,9 @@ class Conn:
     def buffer(self, b):
         b = memoryview(b).cast("B")
         self.sock.sendall(struct.pack("<Q", len(b)))
-        for i in range(0, len(b), RECORD):
-            self.sock.sendall(b[i:i + RECORD]); self.sock.sendall(self.tag("send", b[i:i + RECORD]))
+        i = 0
+        for n in record_lens(len(b)):
+            self.sock.sendall(b[i:i + n]); self.sock.sendall(self.tag("send", b[i:i + n])); i += n
     def check(self, b):
         if not hmac.compare_digest(recv_exact(self.sock, 16), self.tag("recv", b)): raise RuntimeError("bad tag")
     def recv_frame(self):
@@ -61,8 +70,9 @@ class Conn:
     def recv_buffer(self, expected):
         ln = struct.unpack("<Q", recv_exact(self.sock, 8))[0]; assert ln == expected, (ln, expected)
         out = np.empty(ln, dtype=np.uint8); view = memoryview(out)
-        for i in range(0, ln, RECORD):
-            rec = view[i:i + RECORD]; self.sock.recv_into(rec, len(rec), socket.MSG_WAITALL); self.check(rec)
+        i = 0
+        for n in record_lens(ln):
+            rec = view[i:i + n]; self.sock.recv_into(rec, n, socket.MSG_WAITALL); self.check(rec); i += n
         return out
 
 def connect(host, port, magic):
@@ -70,7 +80,7 @@ def connect(host, port, magic):
     def refused():
         n = struct.unpack("<I", recv_exact(sock, 4))[0]
         raise RuntimeError("refused: " + recv_exact(sock, n).decode())
-    hello = magic + struct.pack("<H", 3) + s(token) + s("py-peer") + struct.pack("<I", 0) + struct.pack("<I", 32) + os.urandom(32)
+    hello = magic + struct.pack("<H", WIRE) + s(token) + s("py-peer") + struct.pack("<I", 0) + struct.pack("<I", 32) + os.urandom(32)
     sock.sendall(frame(hello))
     if recv_exact(sock, 1) != b"\2": refused()
     challenge = recv_exact(sock, 64)
@@ -80,7 +90,7 @@ def connect(host, port, magic):
     if recv_exact(sock, 1) != b"\0": refused()
     return Conn(sock, mac(b"rlplane frames v1: from the connecting side"), mac(b"rlplane frames v1: from the accepting side"))
 
-def header(kind, rid=1): return struct.pack("<HBBI", 3, kind, 0, rid) + s(token)
+def header(kind, rid=1): return struct.pack("<HBBI", WIRE, kind, 0, rid) + s(token)
 
 class R:
     def __init__(self, b): self.b, self.i = b, 0
@@ -106,7 +116,7 @@ class R:
 def reply(conn):
     r = R(conn.recv_frame())
     version, kind, _flags, _rid = r.u16(), r.u8(), r.u8(), r.u32(); r.str()
-    assert version == 3
+    assert version == WIRE
     if kind == 127: raise RuntimeError("error %d: %s" % (r.u16(), r.str()))
     return kind, r
 

@@ -39,9 +39,12 @@ pub use handshake::{
     Refusals, ServerChallenge, accept_hello, accept_hello_on, send_hello,
 };
 pub use key::{KeyError, issue_key_file, write_key_file};
-pub use mac::{BadTag, FrameKey, FrameMac, MacPool, Pending, RECORD_BYTES, Session, Span, TAG_LEN, Tag};
+pub use mac::{
+    BadTag, FIRST_RECORD, FrameKey, FrameMac, MacPool, Pending, RECORD_BYTES, Session, Span, TAG_LEN, Tag, record_lens,
+};
 pub use records::{
-    Outbound, RecordChecks, read_records, skip_records, wire_len, write_all_slices, write_message, write_records,
+    Outbound, ReadVectored, RecordChecks, read_records, skip_records, wire_len, write_all_slices, write_message,
+    write_records,
 };
 pub use socket::{
     NetError, bind, connect_retry, is_transient_accept_error, reserve_loopback_port, serve_connections, tune, until,
