@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaEvent, CudaStream};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
@@ -446,11 +446,11 @@ impl Rendezvous {
 
     /// Sends `msg` and its tag.
     async fn send(&mut self, msg: &[u8], what: &str, deadline: Instant) -> Result<(), TransportError> {
-        let mut b = msg.to_vec();
-        b.extend_from_slice(&self.session.send.tag(&[msg]));
-        let (peer, s) = (self.peer.as_str(), &mut self.stream);
-        net::until(deadline, what, peer, async { s.write_all(&b).await.map_err(|e| net::NetError::io(what, peer, e)) })
-            .await?;
+        let (peer, s, mac) = (self.peer.as_str(), &mut self.stream, &mut self.session.send);
+        net::until(deadline, what, peer, async {
+            net::write_tagged(s, mac, msg).await.map_err(|e| net::NetError::io(what, peer, e))
+        })
+        .await?;
         Ok(())
     }
 

@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rlplane_api::plan::{RefitGroup, WorkerPlan};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -725,17 +725,14 @@ struct Link {
 impl Link {
     /// Writes `msg` and its tag.
     async fn send(&mut self, msg: &[u8]) -> std::io::Result<()> {
-        let mut b = msg.to_vec();
-        b.extend_from_slice(&self.session.send.tag(&[msg]));
-        self.stream.write_all(&b).await
+        net::write_tagged(&mut self.stream, &mut self.session.send, msg).await
     }
 
     /// Reads a message of `N` bytes and checks its tag.
     async fn recv<const N: usize>(&mut self) -> std::io::Result<[u8; N]> {
-        let mut b = vec![0u8; N + TAG_LEN];
-        self.stream.read_exact(&mut b).await?;
-        self.session.recv.check(&[&b[..N]], &b[N..])?;
-        Ok(b[..N].try_into().expect("N bytes"))
+        let mut b = [0u8; N];
+        net::read_tagged(&mut self.stream, &mut self.session.recv, &mut b).await?;
+        Ok(b)
     }
 }
 

@@ -62,6 +62,25 @@ pub async fn write_tagged_frame<W: AsyncWriteExt + Unpin>(
     w.write_all(&buf).await
 }
 
+/// Writes `msg`, of a length both sides know, and its tag with `mac`, in one write.
+pub async fn write_tagged<W: AsyncWriteExt + Unpin>(w: &mut W, mac: &mut FrameMac, msg: &[u8]) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(msg.len() + TAG_LEN);
+    buf.extend_from_slice(msg);
+    buf.extend_from_slice(&mac.tag(&[msg]));
+    w.write_all(&buf).await
+}
+
+/// Reads a message written by [`write_tagged`] into `msg` (its whole length) and checks its tag
+/// with `mac` ([`super::BadTag`], as `InvalidData`).
+pub async fn read_tagged<R: AsyncReadExt + Unpin>(r: &mut R, mac: &mut FrameMac, msg: &mut [u8]) -> io::Result<()> {
+    let mut buf = vec![0u8; msg.len() + TAG_LEN];
+    r.read_exact(&mut buf).await?;
+    let (body, tag) = buf.split_at(msg.len());
+    mac.check(&[body], tag)?;
+    msg.copy_from_slice(body);
+    Ok(())
+}
+
 /// Reads one frame written by [`write_tagged_frame`] into `buf`, refusing frames over `max` bytes
 /// and frames whose tag `mac` does not accept ([`super::BadTag`], as `InvalidData`).
 pub async fn read_tagged_frame<R: AsyncReadExt + Unpin>(

@@ -33,7 +33,7 @@ pub mod socket;
 #[cfg(test)]
 mod tests;
 
-pub use frame::{MAX_FRAME, read_frame, read_tagged_frame, write_frame, write_tagged_frame};
+pub use frame::{MAX_FRAME, read_frame, read_tagged, read_tagged_frame, write_frame, write_tagged, write_tagged_frame};
 pub use handshake::{
     CHALLENGE_LEN, ClientHello, HELLO_CHALLENGE, HELLO_OK, HELLO_REFUSED, Hello, JobAuth, NONCE_LEN, PROOF_LEN,
     Refusals, ServerChallenge, accept_hello, accept_hello_on, send_hello,

@@ -139,6 +139,22 @@ async fn tagged_frames_round_trip_and_an_altered_one_is_refused() {
 }
 
 #[tokio::test]
+async fn fixed_length_tagged_messages_round_trip_and_a_replayed_one_is_refused() {
+    let (mut a, mut b) = Session::fixed_pair(4);
+    let (mut w, mut r) = tokio::io::duplex(1 << 16);
+    write_tagged(&mut w, &mut a.send, b"DONE v7!").await.unwrap();
+    let mut msg = [0u8; 8];
+    read_tagged(&mut r, &mut b.recv, &mut msg).await.unwrap();
+    assert_eq!(&msg, b"DONE v7!");
+    // The same bytes and tag again: frame 1 expected, frame 0's tag found.
+    let (mut a0, _) = Session::fixed_pair(4);
+    write_tagged(&mut w, &mut a0.send, b"DONE v7!").await.unwrap();
+    let err = read_tagged(&mut r, &mut b.recv, &mut msg).await.unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+    assert!(err.to_string().contains("frame 1 of this connection failed its authentication tag"), "{err}");
+}
+
+#[tokio::test]
 async fn connect_retry_times_out_naming_the_peer() {
     // A port that nothing listens on: bind then drop.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
