@@ -204,7 +204,7 @@ impl ReadVectored for tokio::net::UnixStream {
     }
 }
 
-/// Bytes in memory (tests, and messages already received whole).
+/// Bytes in memory (the tests' wire).
 impl ReadVectored for &[u8] {
     fn readable(&mut self) -> impl Future<Output = io::Result<()>> + Send {
         std::future::ready(Ok(()))
@@ -360,8 +360,8 @@ impl RecordChecks {
     /// `InvalidData` error. The bytes may not be used before [`RecordChecks::finish`] returns.
     ///
     /// The records and their tags are read with vectored reads that cross record boundaries, so
-    /// a body takes as many system calls as the same bytes untagged; each record's check starts
-    /// as soon as its tag has arrived.
+    /// a tag costs no system call of its own; each record's check starts as soon as its tag has
+    /// arrived.
     ///
     /// # Safety
     /// Helper threads read the destinations until these checks are finished or dropped: the
