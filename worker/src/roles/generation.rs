@@ -329,8 +329,8 @@ impl Refitter {
         let deadline = tokio::time::Instant::now() + self.timeout;
         local_api.wait_registered(deadline).await?;
         let _writing = if local_api.staged() {
-            local_api.wait_staging_free(deadline).await?;
-            None
+            local_api.begin_staging_write(deadline).await?;
+            RefitWrite(local_api)
         } else if !self.producer && receives_while_generating(&self.plan) {
             // Only the producer rank sees the engine's steps; this rank's tensors could be
             // written while rank 0's step runs on them.
@@ -341,7 +341,7 @@ impl Refitter {
             );
         } else {
             local_api.begin_direct_refit(deadline).await?;
-            Some(DirectRefit(local_api))
+            RefitWrite(local_api)
         };
         let mut weights = local_api.weights().await;
         let w = weights.as_mut().context("the engine process's weights are not registered")?;
@@ -387,13 +387,14 @@ impl Refitter {
     }
 }
 
-/// A refit writing into a user engine's own tensors: the engine's next step waits until it is
-/// dropped (also when the refit fails).
-struct DirectRefit<'a>(&'a LocalApi);
+/// A refit writing into a user engine's own tensors (its next step waits) or the staging buffers
+/// (they are not lent): until it is dropped, after the held version is set, also when the refit
+/// fails.
+struct RefitWrite<'a>(&'a LocalApi);
 
-impl Drop for DirectRefit<'_> {
+impl Drop for RefitWrite<'_> {
     fn drop(&mut self) {
-        self.0.end_direct_refit();
+        self.0.end_refit_write();
     }
 }
 

@@ -288,13 +288,30 @@ struct State {
     step_first: Option<u64>,
     /// The oldest version the step under way may be generated with.
     min_version: u64,
-    /// A refit is writing into the engine's own registered tensors: no step may start.
-    writing: bool,
+    /// What a refit is writing into now, if anything.
+    writing: Option<RefitTarget>,
     /// Files this rank wrote for the user (batches, staging), removed when the rank ends.
     files: Vec<PathBuf>,
 }
 
+/// What a refit writes into on an engine rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RefitTarget {
+    /// The engine's own registered tensors: no step may start until it is done.
+    Engine,
+    /// The sidecar's staging buffers: they are not lent (`acquire_staged`) until it is done, so
+    /// the engine never loads a mix of two versions.
+    Staging,
+}
+
 impl State {
+    /// Engine, staged: the refit may write the staging buffers once the engine gave them back;
+    /// from then on they are not lent until the refit is done ([`LocalApi::end_refit_write`]).
+    /// Checking and marking happen under one lock, so a loan cannot slip in between.
+    fn begin_staging_write(&mut self) -> Option<()> {
+        self.lent.is_none().then(|| self.writing = Some(RefitTarget::Staging))
+    }
+
     /// Whether the engine registered staged (refit fills the sidecar's buffers; the engine takes
     /// them itself).
     fn staged(&self) -> bool {
@@ -503,19 +520,20 @@ impl LocalApi {
 
     /// Engine, direct registration: waits until no step is under way (the engine is between
     /// `end_step` and its next `next_step`), then holds the next step back until
-    /// [`LocalApi::end_direct_refit`]: a refit into the engine's own tensors never lands during a
+    /// [`LocalApi::end_refit_write`]: a refit into the engine's own tensors never lands during a
     /// forward pass.
     pub async fn begin_direct_refit(&self, deadline: Instant) -> anyhow::Result<()> {
         self.rank_wait(deadline, "end the step under way (end_step) before the refit writes its weights", |s| {
             let under_way = matches!(s.step, Some((st, true)) if s.ended != Some(st));
-            (!under_way).then(|| s.writing = true)
+            (!under_way).then(|| s.writing = Some(RefitTarget::Engine))
         })
         .await
     }
 
-    /// Engine, direct registration: the refit is done writing (also when it failed).
-    pub fn end_direct_refit(&self) {
-        self.update(|s| s.writing = false);
+    /// Engine: the refit is done writing, the engine's tensors or the staging buffers (also when
+    /// it failed).
+    pub fn end_refit_write(&self) {
+        self.update(|s| s.writing = None);
     }
 
     /// Engine producer: waits until the user ended step `step`; returns what it put.
@@ -531,10 +549,10 @@ impl LocalApi {
         self.update(|s| s.held = held);
     }
 
-    /// Engine, staged: waits until the engine gave the staging buffers back.
-    pub async fn wait_staging_free(&self, deadline: Instant) -> anyhow::Result<()> {
-        self.rank_wait(deadline, "release the staged weights (release_staged)", |s| s.lent.is_none().then_some(()))
-            .await
+    /// Engine, staged: waits until the engine gave the staging buffers back, then keeps them
+    /// from being lent until [`LocalApi::end_refit_write`].
+    pub async fn begin_staging_write(&self, deadline: Instant) -> anyhow::Result<()> {
+        self.rank_wait(deadline, "release the staged weights (release_staged)", State::begin_staging_write).await
     }
 
     /// Whether the registration is staged.

@@ -17,7 +17,7 @@ use super::protocol::{
     self, ApiError, ColumnDesc, ErrorKind, MemoryDesc, PROTOCOL_VERSION, Request, TensorReg, invalid, state,
 };
 use super::weights::UserWeights;
-use super::{LocalApi, RankInfo, Role, Scope, State, dtype_name, parse_dtype};
+use super::{LocalApi, RankInfo, RefitTarget, Role, Scope, State, dtype_name, parse_dtype};
 use crate::refit::WeightsState;
 use crate::shm::SharedFile;
 use crate::tq::{Batch, Column, FieldSpec, PutOptions};
@@ -401,7 +401,7 @@ impl Session {
         }
         let r = self
             .wait_session(None, |s| match s.step {
-                Some((step, false)) if !s.writing => {
+                Some((step, false)) if s.writing != Some(RefitTarget::Engine) => {
                     s.step = Some((step, true));
                     s.step_first = None;
                     Some(Some((step, s.held.current())))
@@ -460,8 +460,9 @@ impl Session {
         })
     }
 
-    /// `acquire_staged`: waits until the staged buffers hold `version` or newer, then lends them
-    /// to the engine (a registration is refused until it releases them).
+    /// `acquire_staged`: waits until the staged buffers hold `version` or newer and no refit is
+    /// writing them, then lends them to the engine (a registration is refused, and the next
+    /// refit waits, until it releases them).
     async fn acquire_staged(&self, version: u64, timeout_s: Option<f64>) -> Result<Value, ApiError> {
         self.need(Role::Engine, "acquire_staged")?;
         if !self.local_api.staged() {
@@ -470,27 +471,8 @@ impl Session {
             ));
         }
         let deadline = deadline_of(timeout_s)?;
-        let held = self.wait_held(version, deadline).await?;
-        let v = held.current().unwrap_or(version);
         let partial = self.local_api.info.plan.schedule.partial_rollouts;
-        self.local_api.update(|s| {
-            let under_way = matches!(s.step, Some((st, true)) if s.ended != Some(st));
-            match s.step_first {
-                // A step's rollouts are under way with older weights: newer ones inside the step
-                // are partial rollouts.
-                Some(first) if under_way && v != first && !partial => {
-                    return Err(state(format!(
-                        "the staged weights are version {v} now, and this step's rollouts began with version {first}: \
-                     taking them inside a step needs spec.schedule.partialRollouts; take them after end_step"
-                    )));
-                }
-                None if under_way => s.step_first = Some(v),
-                _ => {}
-            }
-            s.lent = Some(v);
-            s.taken = Some(v);
-            Ok(())
-        })?;
+        let v = self.wait_held_then(version, deadline, |s, _| lend_staged(s, partial)).await?;
         Ok(json!({"ok": true, "version": v}))
     }
 
@@ -623,9 +605,20 @@ impl Session {
     }
 
     async fn wait_held(&self, version: u64, deadline: Option<Instant>) -> Result<WeightsState, ApiError> {
+        self.wait_held_then(version, deadline, |_, held| Some(Ok(held))).await
+    }
+
+    /// Waits until the engine holds `version` or newer and `then` answers, under the same lock
+    /// (so what `then` decides holds for the weights it saw).
+    async fn wait_held_then<T>(
+        &self,
+        version: u64,
+        deadline: Option<Instant>,
+        mut then: impl FnMut(&mut State, WeightsState) -> Option<Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
         let r = self
             .wait_session(deadline, |s| match s.held {
-                WeightsState::Complete(v) if v >= version => Some(Ok(s.held)),
+                WeightsState::Complete(v) if v >= version => then(s, s.held),
                 WeightsState::Incomplete(v) => Some(Err(ApiError::new(
                     ErrorKind::Failed,
                     format!("the refit to version {v} did not finish: the weights are a mix of versions; the job restarts its gang"),
@@ -750,6 +743,33 @@ impl Session {
         });
         Ok(json!({"ok": true, "samples": n, "bytes": report.bytes}))
     }
+}
+
+/// Lends the staging buffers to the engine, which holds complete weights of the version wanted:
+/// not while a refit writes them (the caller waits, and sees the newer version); refused inside
+/// a step begun with older weights unless `partial` rollouts are allowed. Answers the version
+/// lent.
+fn lend_staged(s: &mut State, partial: bool) -> Option<Result<u64, ApiError>> {
+    if s.writing == Some(RefitTarget::Staging) {
+        return None;
+    }
+    let v = s.held.current()?;
+    let under_way = matches!(s.step, Some((st, true)) if s.ended != Some(st));
+    match s.step_first {
+        // A step's rollouts are under way with older weights: newer ones inside the step are
+        // partial rollouts.
+        Some(first) if under_way && v != first && !partial => {
+            return Some(Err(state(format!(
+                "the staged weights are version {v} now, and this step's rollouts began with version {first}: \
+                 taking them inside a step needs spec.schedule.partialRollouts; take them after end_step"
+            ))));
+        }
+        None if under_way => s.step_first = Some(v),
+        _ => {}
+    }
+    s.lent = Some(v);
+    s.taken = Some(v);
+    Some(Ok(v))
 }
 
 /// Marks each of `n` samples with the policy version the engine holds (its weights can't change
@@ -888,4 +908,46 @@ pub fn write_batch(info: &RankInfo, step: u32, batch: &Batch) -> anyhow::Result<
         "columns": columns,
     });
     Ok((reply, path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_buffers_are_not_lent_while_a_refit_writes_them() {
+        let mut s = State { held: WeightsState::Complete(2), ..State::default() };
+        assert_eq!(s.begin_staging_write(), Some(()));
+        // The engine asks while version 3 is being written: it waits, whatever it holds.
+        assert!(lend_staged(&mut s, false).is_none());
+        assert_eq!(s.lent, None);
+        s.held = WeightsState::Complete(3);
+        s.writing = None;
+        assert!(matches!(lend_staged(&mut s, false), Some(Ok(3))));
+        assert_eq!((s.lent, s.taken), (Some(3), Some(3)));
+        // Lent: the next refit waits for release_staged.
+        assert_eq!(s.begin_staging_write(), None);
+        assert_eq!(s.writing, None);
+        s.lent = None;
+        assert_eq!(s.begin_staging_write(), Some(()));
+        assert_eq!(s.writing, Some(RefitTarget::Staging));
+    }
+
+    #[test]
+    fn newer_staged_weights_inside_a_step_need_partial_rollouts() {
+        let mut s = State { held: WeightsState::Complete(4), step: Some((5, true)), ..State::default() };
+        assert!(matches!(lend_staged(&mut s, false), Some(Ok(4))));
+        assert_eq!(s.step_first, Some(4));
+        s.lent = None;
+        s.held = WeightsState::Complete(5);
+        let refused = lend_staged(&mut s, false);
+        assert!(
+            matches!(&refused, Some(Err(e)) if e.message.contains("partialRollouts")),
+            "{:?}",
+            refused.map(|r| r.err().map(|e| e.message))
+        );
+        assert_eq!(s.lent, None);
+        assert!(matches!(lend_staged(&mut s, true), Some(Ok(5))));
+        assert_eq!(s.step_first, Some(4));
+    }
 }
