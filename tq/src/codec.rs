@@ -7,9 +7,9 @@
 //!                followed by its tag
 //! str          : u32 len | UTF-8 bytes
 //! ```
-//! Everything is little-endian. A tag is 16 bytes of keyed BLAKE3 over the frame's (or record's)
-//! number on its connection and its bytes, with the direction's key from the connection's
-//! handshake ([`rlplane_wire::net::mac`]): nothing is acted on before its tag checks out. Bulk values never pass through the header: a column block in the
+//! Everything is little-endian. A tag is the frame's (or record's) 16-byte AES-256-GMAC under the
+//! direction's key from the connection's handshake, its number on the connection the nonce
+//! ([`rlplane_wire::net::mac`]): nothing is acted on before its tag checks out. Bulk values never pass through the header: a column block in the
 //! body declares each column's spec and value length, and the buffers follow as their own frames
 //! (for a ragged column: its `n + 1` u64 row offsets, then its values), so a Python peer reads them
 //! with `np.frombuffer` and a Rust peer writes them with vectored writes straight from the stored
@@ -33,7 +33,8 @@ use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::column::{ABSENT, BatchMeta, DType, FieldSpec, SampleTags, extend_le32, read_le32};
 
 /// Version of the wire format; carried by every message. A peer of another version is refused.
-pub const WIRE_VERSION: u16 = 4;
+/// 5: tags are AES-256-GMAC ([`rlplane_wire::net::gmac`]).
+pub const WIRE_VERSION: u16 = 5;
 
 /// Handshake magic of the controller service.
 pub const CONTROLLER_MAGIC: [u8; 4] = *b"TQCT";
@@ -1245,7 +1246,7 @@ mod tests {
     #[test]
     fn meta_is_laid_out_as_documented() {
         // docs/transfer-queue.md, "Batch metadata": the bytes a Python peer reads.
-        let mut want = vec![4, 0, 1, 0, 7, 0, 0, 0, 1, 0, 0, 0, b't'];
+        let mut want = vec![WIRE_VERSION as u8, 0, 1, 0, 7, 0, 0, 0, 1, 0, 0, 0, b't'];
         let s = |w: &mut Vec<u8>, x: &str| {
             w.extend_from_slice(&(x.len() as u32).to_le_bytes());
             w.extend_from_slice(x.as_bytes());

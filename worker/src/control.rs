@@ -38,8 +38,8 @@ pub const MAGIC: [u8; 4] = *b"RCTL";
 /// per field, `tag_sets`, `tags`), no longer one object per sample. 4: a `Train` command's batch
 /// travels in the frame after the command, in the transfer queue's binary metadata layout
 /// ([`crate::tq::codec::encode_meta`]); the command says so with `attached`. 6: every frame carries
-/// its tag ([`crate::net::mac`]).
-pub const VERSION: u16 = 6;
+/// its tag ([`crate::net::mac`]). 7: tags are AES-256-GMAC.
+pub const VERSION: u16 = 7;
 
 /// What the coordinator asks a rank to do.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -1,8 +1,9 @@
 //! The wire format as `docs/transfer-queue.md` documents it, spoken by a Python peer (plain
 //! sockets + numpy): it puts into a storage unit, registers with the controller, claims, gets and
-//! acknowledges, tagging every frame and record it sends and checking every one it receives (keyed
-//! BLAKE3, the `blake3` package); a Rust client then reads the Python-put samples in another
-//! group. Skipped, saying so, where python3 with numpy and blake3 is not installed (failing instead
+//! acknowledges, tagging every frame and record it sends and checking every one it receives
+//! (AES-256-GMAC, the `cryptography` package's AES-GCM); a Rust client then reads the Python-put
+//! samples in another group. Skipped, saying so, where python3 with numpy and cryptography is not
+//! installed (failing instead
 //! with `RLPLANE_TOOLS_REQUIRED=1` or `RLPLANE_PYTHON_REQUIRED=1`: scripts/test sets
 //! `RLPLANE_PYTHON` to its venv, which has both).
 
@@ -19,7 +20,7 @@ use tq_support::*;
 const PRODUCER: &str = r#"
 import hashlib, hmac, os, socket, struct, sys
 import numpy as np
-from blake3 import blake3
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 token, key_file, ctl_host, ctl_port, unit_host, unit_port, unit_id = sys.argv[1:8]
 unit_id = int(unit_id)
@@ -39,7 +40,7 @@ def recv_exact(sock, n):
     return bytes(buf)
 
 RECORD, FIRST = 256 << 10, 16 << 10
-WIRE = 4
+WIRE = 5
 
 def record_lens(n):
     """The records a buffer of n bytes travels in: 16 KiB doubling up to 256 KiB at both ends."""
@@ -51,9 +52,11 @@ def record_lens(n):
 class Conn:
     """A connection after its handshake: every frame and record is tagged, every tag checked."""
     def __init__(self, sock, send_key, recv_key):
-        self.sock, self.keys, self.n = sock, {"send": send_key, "recv": recv_key}, {"send": 0, "recv": 0}
+        self.sock, self.n = sock, {"send": 0, "recv": 0}
+        self.keys = {"send": AESGCM(send_key), "recv": AESGCM(recv_key)}
     def tag(self, way, b):
-        t = blake3(struct.pack("<Q", self.n[way]) + bytes(b), key=self.keys[way]).digest(length=16)
+        # AES-256-GMAC: GCM's tag with nothing encrypted and the bytes as associated data.
+        t = self.keys[way].encrypt(struct.pack("<Q", self.n[way]) + bytes(4), b"", b)
         self.n[way] += 1
         return t
     def frame(self, b): self.sock.sendall(struct.pack("<I", len(b)) + b + self.tag("send", b))
@@ -191,7 +194,7 @@ fn python() -> String {
 
 fn python_with_numpy() -> bool {
     std::process::Command::new(python())
-        .args(["-c", "import numpy, blake3"])
+        .args(["-c", "import numpy, cryptography"])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
@@ -206,7 +209,7 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
             .any(|v| std::env::var(v).as_deref() == Ok("1"));
         assert!(
             python_skipped || !required,
-            "{} with numpy and blake3 is needed (RLPLANE_TOOLS_REQUIRED=1: scripts/test sets RLPLANE_PYTHON to its \
+            "{} with numpy and cryptography is needed (RLPLANE_TOOLS_REQUIRED=1: scripts/test sets RLPLANE_PYTHON to its \
              venv)",
             python()
         );
@@ -214,7 +217,7 @@ async fn a_python_peer_speaks_the_documented_wire_format() {
         use std::io::Write as _;
         let _ = writeln!(
             std::io::stderr(),
-            "SKIPPED: python3 with numpy and blake3 is not installed (pip install numpy blake3 to run this test)"
+            "SKIPPED: python3 with numpy and cryptography is not installed (pip install numpy cryptography to run this test)"
         );
         return;
     }

@@ -460,7 +460,8 @@ fn st_mapped(st: &ReceiverState, key: u32) -> Option<CUdeviceptr> {
 /// socket).
 pub const IPC_MAGIC: [u8; 4] = *b"RIPC";
 /// 2: frames on a Unix stream socket instead of zeromq messages. 3: every frame carries its tag.
-const IPC_VERSION: u16 = 3;
+/// 4: tags are AES-256-GMAC.
+const IPC_VERSION: u16 = 4;
 
 /// The socket path of an `ipc://` endpoint.
 fn socket_path(endpoint: &str) -> Result<&str, TransportError> {

@@ -34,8 +34,9 @@ use rlplane_wire::net::{self, Hello, JobAuth};
 
 /// Handshake magic of the NCCL rendezvous.
 pub const MAGIC: [u8; 4] = *b"RNCL";
-/// Version of the rendezvous protocol. 2: every message after the handshake carries its tag.
-pub const VERSION: u16 = 2;
+/// Version of the rendezvous protocol. 2: every message after the handshake carries its tag. 3:
+/// tags are AES-256-GMAC.
+pub const VERSION: u16 = 3;
 /// Bytes of an NCCL unique id.
 pub const UNIQUE_ID_LEN: usize = 128;
 const DONE: u8 = 0xD0;

@@ -57,8 +57,9 @@ use rlplane_wire::net::{self, FrameKey, Hello, JobAuth, MacPool, NetError, Pendi
 
 /// Handshake magic of refit connections.
 pub const HELLO_MAGIC: [u8; 4] = *b"RFIT";
-/// Version of this wire protocol. 2: every message and record carries its tag.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Version of this wire protocol. 2: every message and record carries its tag. 3: tags are
+/// AES-256-GMAC.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Start of a refit refusal reason that is a plan mismatch (so the connecting side can tell).
 const PLAN_MISMATCH_PREFIX: &str = "refit plans differ";
 

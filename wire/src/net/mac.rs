@@ -4,22 +4,24 @@
 //! The handshake ([`super::handshake`]) derives two 32-byte keys per connection, one per
 //! direction, from the job epoch's key, the whole hello and both sides' fresh nonces
 //! ([`Session`]); a recorded connection's keys never recur. Each direction numbers its frames
-//! from 0, and frame `n`'s tag is the first [`TAG_LEN`] bytes of keyed BLAKE3 over `n` (8 bytes,
-//! little-endian) and the frame's bytes. So an on-path attacker who relays a genuine handshake can
-//! neither alter nor inject a frame, and cannot drop, replay or reorder one either: the next
-//! frame's number would not match. A frame is acted on only after its tag checks out; bulk
-//! frames are cut into records of at most [`RECORD_BYTES`] ([`record_lens`]), each with its own
-//! tag, so that a receiver checks bytes while the next record arrives ([`MacPool`] runs the checks beside the
-//! I/O) and a sender tags one record while writing the one before.
+//! from 0, and frame `n`'s tag is its AES-256-GMAC ([`super::gmac`]) under the direction's key
+//! with the 96-bit nonce `n` (u64, little-endian) followed by four zero bytes: AES-GCM's tag with
+//! the frame's bytes as associated data and nothing encrypted. So an on-path attacker who relays a
+//! genuine handshake can neither alter nor inject a frame, and cannot drop, replay or reorder one
+//! either: the next frame's number would not match. A frame is acted on only after its tag checks
+//! out; bulk frames are cut into records of at most [`RECORD_BYTES`] ([`record_lens`]), each with
+//! its own tag, so that a receiver checks bytes while the next record arrives ([`MacPool`] runs
+//! the checks beside the I/O) and a sender tags one record while writing the one before.
 //!
-//! Why keyed BLAKE3: a MAC by design (a keyed PRF), and the fastest one measured on both kinds of
-//! worker host: 4.6–4.8 GB/s on one core, against 1.3–1.8 GB/s for HMAC-SHA256 and 1.8–1.9 GB/s
-//! for GMAC (docs/benchmarks.md), so one helper thread per side keeps pace with a loopback
-//! stream (3.5 GB/s).
+//! Why GMAC: a standard MAC any GCM library computes, and with AVX-512's carry-less
+//! multiplication the cheapest per byte measured (docs/benchmarks.md): 4–5× keyed BLAKE3 on one
+//! core, which the tags used before. A tag's CPU time is what it costs where the cores are busy.
 
 use std::io;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
+
+use super::gmac::Gmac;
 
 /// Bytes of a frame's tag.
 pub const TAG_LEN: usize = 16;
@@ -74,7 +76,7 @@ impl From<BadTag> for io::Error {
 /// The key and number of one frame: enough to tag or check it anywhere (on a helper thread too).
 #[derive(Clone)]
 pub struct FrameKey {
-    key: [u8; FRAME_KEY_LEN],
+    gmac: Arc<Gmac>,
     frame: u64,
 }
 
@@ -92,14 +94,7 @@ impl FrameKey {
 
     /// The tag of a frame made of `parts`, in order.
     pub fn tag(&self, parts: &[&[u8]]) -> Tag {
-        let mut h = blake3::Hasher::new_keyed(&self.key);
-        h.update(&self.frame.to_le_bytes());
-        for p in parts {
-            h.update(p);
-        }
-        let mut tag = [0u8; TAG_LEN];
-        tag.copy_from_slice(&h.finalize().as_bytes()[..TAG_LEN]);
-        tag
+        self.gmac.tag(&frame_nonce(self.frame), parts)
     }
 
     /// Whether `tag` is the tag of the frame made of `parts` (compared in constant time).
@@ -110,9 +105,16 @@ impl FrameKey {
     }
 }
 
+/// GMAC's nonce for frame `n`: `n` as u64 little-endian, then four zero bytes.
+fn frame_nonce(n: u64) -> [u8; 12] {
+    let mut nonce = [0u8; 12];
+    nonce[..8].copy_from_slice(&n.to_le_bytes());
+    nonce
+}
+
 /// One direction of a connection's frame authentication: its key and the next frame's number.
 pub struct FrameMac {
-    key: [u8; FRAME_KEY_LEN],
+    gmac: Arc<Gmac>,
     next: u64,
 }
 
@@ -125,13 +127,13 @@ impl std::fmt::Debug for FrameMac {
 impl FrameMac {
     /// A direction keyed with `key`, at frame 0.
     pub fn new(key: [u8; FRAME_KEY_LEN]) -> FrameMac {
-        FrameMac { key, next: 0 }
+        FrameMac { gmac: Arc::new(Gmac::new(&key)), next: 0 }
     }
 
     /// The next frame's key, moving past it: frames are tagged and checked in the order this is
     /// called, wherever the work is done.
     pub fn next_key(&mut self) -> FrameKey {
-        let k = FrameKey { key: self.key, frame: self.next };
+        let k = FrameKey { gmac: self.gmac.clone(), frame: self.next };
         self.next += 1;
         k
     }
@@ -417,7 +419,7 @@ mod tests {
         // Replayed.
         assert!(b.recv.check(&[b"world"], &t1).is_err());
         // The other direction's key does not pass.
-        let mut back = FrameMac::new(a.recv.key);
+        let mut back = a.recv.clone_for_test();
         let wrong = a.send.tag(&[b"x"]);
         assert!(back.check(&[b"x"], &wrong).is_err());
         assert!(b.recv.check(&[b"x"], &wrong[..8]).is_err(), "a short tag never passes");
@@ -425,7 +427,7 @@ mod tests {
 
     impl FrameMac {
         fn clone_for_test(&self) -> FrameMac {
-            FrameMac { key: self.key, next: self.next }
+            FrameMac { gmac: self.gmac.clone(), next: self.next }
         }
     }
 

@@ -25,6 +25,7 @@
 //! ([`accept_hello_on`], [`send_hello`]).
 
 pub mod frame;
+pub mod gmac;
 pub mod handshake;
 pub mod key;
 pub mod mac;
