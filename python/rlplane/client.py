@@ -572,8 +572,9 @@ class Engine(Client):
         return held if held is not None and (than is None or held > than) else None
 
     def acquire_staged(self, version: int, timeout: float | None = 60.0) -> int:
-        """Waits until the staging buffers hold ``version`` (or later) and lends them to this
-        process; returns the version they hold. The next refit waits for :meth:`release_staged`."""
+        """Waits until the staging buffers hold ``version`` (or later) and no refit is writing
+        them, and lends them to this process; returns the version they hold. The next refit waits
+        for :meth:`release_staged`."""
         reply = self._call("acquire_staged", version=int(version), **_timeout_fields(timeout))
         return int(reply.get("version", version))
 
