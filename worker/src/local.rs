@@ -464,14 +464,6 @@ impl LocalRun {
                         if e.success() && user_processes.contains(&e.name) { continue; }
                         let mut msg = e.describe();
                         if e.success() { msg.push_str(" before the run finished"); }
-                        // A user process that failed may have said why through its rank
-                        // (`fail`), which the coordinator hears a moment later: wait briefly,
-                        // so that the run's error carries the user's own reason.
-                        if !e.success() && user_processes.contains(&e.name)
-                            && let Ok(Err(c)) = tokio::time::timeout(USER_REASON_GRACE, &mut coordinated).await
-                        {
-                            msg.push_str(&format!("\n(coordinator: {c})"));
-                        }
                         break Err(Failure::Error(anyhow::anyhow!(msg)));
                     }
                     _ = tokio::signal::ctrl_c() => break Err(Failure::Interrupted),
@@ -579,10 +571,6 @@ impl LocalRun {
         Ok(user_processes)
     }
 }
-
-/// How long a failed user process's exit waits for the coordinator to hear the reason the
-/// process reported through its rank.
-const USER_REASON_GRACE: Duration = Duration::from_secs(2);
 
 /// A user container's command, ready to run as a child.
 struct UserCommand {
