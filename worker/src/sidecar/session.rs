@@ -196,9 +196,11 @@ impl Session {
                 Reply::Now(json!({"ok": true}))
             }
             Request::Fail { message } => {
-                let role = self.role().name();
-                self.local_api
-                    .update(|s| s.user_error = Some(format!("the {role} process reported a failure: {message}")));
+                let reason = format!("the {} process reported a failure: {message}", self.role().name());
+                // Logged at once, so the rank's log carries the user's reason even where the
+                // process's exit is noticed before the rank's failure reaches the coordinator.
+                tracing::error!("{reason}");
+                self.local_api.update(|s| s.user_error = Some(reason));
                 Reply::Now(json!({"ok": true}))
             }
             Request::Bye {} => {
