@@ -93,6 +93,76 @@ struct ReceiverState {
     issued: BTreeMap<u32, Vec<CudaEvent>>,
     begun: Option<u64>,
     next_stream: usize,
+    /// This refit's receiving timeline, kept while the debug log is on.
+    trace: Option<Trace>,
+}
+
+/// A receiver's timeline of one refit, logged at debug level when it ends: where the time
+/// between the sender's start message and the last copy goes (docs/benchmarks.md reads it).
+struct Trace {
+    begun: Instant,
+    first_issued: Option<Instant>,
+    last_issued: Option<Instant>,
+    /// When the last bucket's copies were seen complete.
+    completed: Option<Instant>,
+    /// Recorded just before the first copy, on its stream.
+    gpu_start: Option<CudaEvent>,
+    /// Recorded after the latest bucket's copies, on every stream.
+    gpu_ends: Vec<CudaEvent>,
+}
+
+impl Trace {
+    /// A timeline from now (the start message's arrival), if the debug log is on.
+    fn start() -> Option<Trace> {
+        tracing::enabled!(tracing::Level::DEBUG).then(|| Trace {
+            begun: Instant::now(),
+            first_issued: None,
+            last_issued: None,
+            completed: None,
+            gpu_start: None,
+            gpu_ends: Vec::new(),
+        })
+    }
+
+    /// Marks the GPU's start on `stream`, before the refit's first copy goes there.
+    fn first_copy(&mut self, copier: &Gpu, stream: &CudaStream) -> Result<(), GpuError> {
+        if self.gpu_start.is_none() {
+            self.gpu_start = Some(record(copier, stream, true)?);
+            self.first_issued = Some(Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Marks the end of the latest bucket's copies on every stream.
+    fn bucket_issued(&mut self, copier: &Gpu, streams: &[Arc<CudaStream>]) -> Result<(), GpuError> {
+        self.gpu_ends = streams.iter().map(|s| record(copier, s, true)).collect::<Result<_, _>>()?;
+        self.last_issued = Some(Instant::now());
+        Ok(())
+    }
+
+    fn log(&self, name: &str, version: u64) {
+        let ms = |t: Option<Instant>| t.map_or(f64::NAN, |t| (t - self.begun).as_secs_f64() * 1e3);
+        let gpu = self.gpu_start.as_ref().map_or(f64::NAN, |s| {
+            self.gpu_ends.iter().filter_map(|e| s.elapsed_ms(e).ok()).fold(f64::NAN, |a, b| a.max(b as f64))
+        });
+        tracing::debug!(
+            peer = name,
+            version,
+            first_issued_ms = ms(self.first_issued),
+            last_issued_ms = ms(self.last_issued),
+            copies_on_gpu_ms = gpu,
+            completed_ms = ms(self.completed),
+            confirmed_ms = ms(Some(Instant::now())),
+            "cuda ipc receiver's timeline (from the start message)"
+        );
+    }
+}
+
+/// An event recorded on `stream` now (with timing, or only for completion).
+fn record(gpu: &Gpu, stream: &CudaStream, timing: bool) -> Result<CudaEvent, GpuError> {
+    let e = gpu.event(timing)?;
+    e.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+    Ok(e)
 }
 
 /// One member's side of a sender's CUDA IPC group.
@@ -106,8 +176,8 @@ pub struct IpcTransport {
     /// there over NVLink, issuing on a stream of that GPU's context) or this one's (same GPU, or
     /// pulling as a fallback).
     copier: Gpu,
-    /// Two streams of `copier`, used in turn.
-    streams: [Arc<CudaStream>; 2],
+    /// Streams of `copier`, used in turn (see [`copy_streams`]).
+    streams: Vec<Arc<CudaStream>>,
     /// Pieces under [`BATCH_BELOW`] copied on one GPU go as one kernel launch per bucket
     /// (`rlp_copy_spans`) rather than a driver copy each, whose fixed cost is most of a small
     /// model's refit; larger pieces keep the driver's copies, which move big spans faster
@@ -212,6 +282,7 @@ impl IpcTransport {
             issued: BTreeMap::new(),
             begun: None,
             next_stream: 0,
+            trace: None,
         };
         Self::new(name, gpu, &copier, IpcMode::Direct, None, Some(state))
     }
@@ -226,6 +297,7 @@ impl IpcTransport {
         recv: Option<ReceiverState>,
     ) -> Result<IpcTransport, TransportError> {
         let s = |g: &Gpu, what| g.stream().map_err(|e| gpu_err(what, e));
+        let one_gpu = copier.ordinal() == gpu.ordinal();
         Ok(IpcTransport {
             name: name.into(),
             gpu: gpu.clone(),
@@ -233,9 +305,8 @@ impl IpcTransport {
             root,
             recv,
             copier: copier.clone(),
-            streams: [s(copier, "a copy stream")?, s(copier, "a copy stream")?],
-            batch_copies: copier.ordinal() == gpu.ordinal()
-                && !std::env::var("RLPLANE_IPC_COPY").is_ok_and(|v| v == "driver"),
+            streams: (0..copy_streams(one_gpu)).map(|_| s(copier, "a copy stream")).collect::<Result<_, _>>()?,
+            batch_copies: one_gpu && !std::env::var("RLPLANE_IPC_COPY").is_ok_and(|v| v == "driver"),
             pipeline_direct: !std::env::var("RLPLANE_IPC_WINDOW").is_ok_and(|v| v == "buffers"),
             copy_stream: s(gpu, "the pack stream")?,
             copy_busy: Duration::ZERO,
@@ -406,22 +477,24 @@ impl IpcTransport {
                     continue;
                 }
                 let st = self.recv.as_mut().expect("receiver");
-                // Two streams, alternating: copies overlap on the copy engines.
-                let stream = &self.streams[st.next_stream % 2];
+                // The streams in turn: copies overlap on the copy engines.
+                let stream = &self.streams[st.next_stream % self.streams.len()];
                 st.next_stream += 1;
+                if let Some(t) = st.trace.as_mut() {
+                    t.first_copy(&self.copier, stream).map_err(|e| gpu_err(&self.name, e))?;
+                }
                 // SAFETY: the source is the sender's lent memory, untouched until we confirm; the
                 // destination piece stays valid until our ticket completes (engine contract).
                 unsafe { copy_async(span.addr, map + offset, len, stream) }.map_err(|e| gpu_err("a peer copy", e))?;
             }
             // SAFETY: as for the single copies above.
             unsafe { self.copier.copy_spans(&batch, &self.streams[0]) }.map_err(|e| gpu_err("a bucket's copies", e))?;
-            let mut events = Vec::with_capacity(2);
-            for s in &self.streams {
-                let e = self.copier.event(false).map_err(|e| gpu_err(&self.name, e))?;
-                e.record(s).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
-                events.push(e);
+            let events = self.streams.iter().map(|s| record(&self.copier, s, false)).collect::<Result<Vec<_>, _>>();
+            let st = self.recv.as_mut().expect("receiver");
+            st.issued.insert(k, events.map_err(|e| gpu_err(&self.name, e))?);
+            if let Some(t) = st.trace.as_mut() {
+                t.bucket_issued(&self.copier, &self.streams).map_err(|e| gpu_err(&self.name, e))?;
             }
-            self.recv.as_mut().expect("receiver").issued.insert(k, events);
         }
     }
 }
@@ -433,6 +506,20 @@ impl IpcTransport {
 /// copies only 11.06–11.07 (one call); 64 MiB 10.99–11.00, 128 MiB 11.58–11.59 and everything
 /// batched 11.68 (another).
 const BATCH_BELOW: u64 = 16 << 20;
+
+/// How long a receiver polls for the refit's start before it parks on the socket. Its refit is
+/// called when the sender's is, so the start message comes within this; a parked thread's wake-up
+/// put 0.08–0.14 ms on the refit's path on an H200, polling 0.00–0.03 ms (docs/benchmarks.md).
+const START_SPIN: Duration = Duration::from_millis(2);
+
+/// Copy streams per receiver: 4 when the copies stay on one GPU, where per-tensor copies over 4
+/// streams took 7.62–7.65 ms of the GPU for Llama-3-8B on an H200 against 7.80–7.81 over 2
+/// (docs/benchmarks.md); 2 for copies between GPUs, measured at 1.05 × NCCL (GPU-NOTES.md).
+/// `RLPLANE_IPC_STREAMS=N` sets it, for comparison (both sides read the same environment).
+fn copy_streams(one_gpu: bool) -> usize {
+    let measured = if one_gpu { 4 } else { 2 };
+    std::env::var("RLPLANE_IPC_STREAMS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(measured)
+}
 
 /// The GPU whose copy engines should move a sender's bytes to `gpu`: the sender's own (copies
 /// issued there push over NVLink — writes, measured faster than pulling reads: GPU-NOTES.md), or
@@ -618,18 +705,22 @@ impl Transport for IpcTransport {
                 root.acks.clear();
                 root.dones = 0;
                 // The sender's weights must be final before anyone copies them.
+                let began = Instant::now();
                 self.gpu
                     .context()
                     .synchronize()
                     .map_err(|e| gpu_err("finishing the update", GpuError::driver("", e)))?;
                 self.send_all(&[b"B", &v.to_le_bytes()])?;
+                tracing::debug!(peer = %self.name, version = v, start_ms = began.elapsed().as_secs_f64() * 1e3, "cuda ipc sender's start (the weights final, the start message sent)");
                 Ok(v)
             }
             None => {
                 let start = Instant::now();
                 loop {
                     self.pump()?;
-                    if let Some(v) = self.recv.as_mut().expect("receiver").begun.take() {
+                    let st = self.recv.as_mut().expect("receiver");
+                    if let Some(v) = st.begun.take() {
+                        st.trace = Trace::start();
                         return Ok(v);
                     }
                     if Instant::now() >= deadline {
@@ -638,6 +729,10 @@ impl Transport for IpcTransport {
                             what: "waiting for the refit to start".into(),
                             secs: start.elapsed().as_secs_f64(),
                         });
+                    }
+                    if start.elapsed() < START_SPIN {
+                        tokio::task::yield_now().await;
+                        continue;
                     }
                     let sender = &self.recv.as_ref().expect("receiver").sender;
                     if let Ok(Err(e)) = tokio::time::timeout_at(deadline, sender.readable()).await {
@@ -744,7 +839,11 @@ impl Transport for IpcTransport {
                         done &= e.try_is_complete().map_err(|e| gpu_err("a peer copy", GpuError::driver("", e)))?;
                     }
                     if done {
-                        self.recv.as_mut().expect("receiver").issued.remove(&k);
+                        let st = self.recv.as_mut().expect("receiver");
+                        st.issued.remove(&k);
+                        if let Some(t) = st.trace.as_mut() {
+                            t.completed = Some(Instant::now());
+                        }
                         self.send_root(&[b"A", &k.to_le_bytes()])?;
                         return Ok(());
                     }
@@ -777,6 +876,9 @@ impl Transport for IpcTransport {
                 tokio::task::yield_now().await;
             }
         } else {
+            if let Some(t) = self.recv.as_mut().expect("receiver").trace.take() {
+                t.log(&self.name, version);
+            }
             self.send_root(&[b"D", &version.to_le_bytes()])?;
             // Written before returning: the sender's `end` waits for it.
             let st = self.recv.as_mut().expect("receiver");
