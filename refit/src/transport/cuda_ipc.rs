@@ -517,8 +517,22 @@ const START_SPIN: Duration = Duration::from_millis(2);
 /// (docs/benchmarks.md); 2 for copies between GPUs, measured at 1.05 × NCCL (GPU-NOTES.md).
 /// `RLPLANE_IPC_STREAMS=N` sets it, for comparison (both sides read the same environment).
 fn copy_streams(one_gpu: bool) -> usize {
+    let setting = std::env::var("RLPLANE_IPC_STREAMS").ok();
+    copy_streams_for(one_gpu, setting.as_deref()).unwrap_or_else(|(measured, e)| {
+        tracing::warn!("{e}; using {measured}");
+        measured
+    })
+}
+
+/// [`copy_streams`] for a given `RLPLANE_IPC_STREAMS`; a bad setting gives the measured count and
+/// what is wrong with it.
+fn copy_streams_for(one_gpu: bool, setting: Option<&str>) -> Result<usize, (usize, String)> {
     let measured = if one_gpu { 4 } else { 2 };
-    std::env::var("RLPLANE_IPC_STREAMS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(measured)
+    match setting.map(|v| (v, v.trim().parse::<usize>())) {
+        None => Ok(measured),
+        Some((_, Ok(n @ 1..=64))) => Ok(n),
+        Some((v, _)) => Err((measured, format!("RLPLANE_IPC_STREAMS={v:?} is not a stream count from 1 to 64"))),
+    }
 }
 
 /// The GPU whose copy engines should move a sender's bytes to `gpu`: the sender's own (copies
@@ -945,6 +959,19 @@ mod tests {
     use crate::plan::RefitPlan;
     use rlplane_api::model::{DType, TensorSpec, TpSplit};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn copy_streams_are_4_on_one_gpu_2_between_gpus_and_a_bad_setting_is_named() {
+        assert_eq!(copy_streams_for(true, None), Ok(4));
+        assert_eq!(copy_streams_for(false, None), Ok(2));
+        assert_eq!(copy_streams_for(true, Some("8")), Ok(8));
+        assert_eq!(copy_streams_for(false, Some(" 1 ")), Ok(1));
+        for bad in ["0", "65", "four", ""] {
+            let (measured, e) = copy_streams_for(true, Some(bad)).unwrap_err();
+            assert_eq!(measured, 4);
+            assert!(e.contains("RLPLANE_IPC_STREAMS") && e.contains("1 to 64"), "{e}");
+        }
+    }
 
     fn identity() -> PlanIdentity {
         let m = vec![TensorSpec::with_split("w", DType::Bf16, vec![64, 64], TpSplit::Rows)];
