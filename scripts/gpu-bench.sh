@@ -4,11 +4,12 @@
 #   DIR holds the release `rlplane` binary and the `gpu-tests` executable (the path printed by
 #   `cargo test --release -p rlplane --test gpu --no-run`).
 #   STEPs (default: all): tests split auto colocated window sharded local colocated4 colocated2 control
+#   mps (colocated on one GPU with and without the MPS daemon, each refit's receiver timeline)
 # Every step has its own time limit, so that one hang cannot eat the rest.
 set -u
 dir=${1:?usage: scripts/gpu-bench.sh DIR [STEP...]}
 shift
-steps=${*:-tests split auto colocated window sharded local colocated4 colocated2 control}
+steps=${*:-tests split auto colocated window sharded local colocated4 colocated2 control mps}
 bin=$dir/rlplane
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -76,4 +77,44 @@ if want control; then
   step "control plane: dispatch latency against a raw TCP ping-pong"
   timeout 60 "$bin" bench control --ranks 1 --commands 2000
   timeout 60 "$bin" bench control --ranks 8 --commands 1000
+fi
+if want mps; then
+  # Colocated on one GPU, the trainer's and the engine's processes are two CUDA contexts: the
+  # bench (with each refit's receiver timeline from the debug log, summarized) and the whole loop,
+  # alternated without and with the MPS daemon (pipe and log directories of its own under /tmp;
+  # the GPU's compute mode is left as it is, and the daemon quits after each run).
+  timeline() {
+    python3 - "$1" <<'PY'
+import re, statistics, sys
+text = open(sys.argv[1]).read().splitlines()
+for l in text:
+    if re.search(r"direct \(1 copy\)|reference: .*4 stream|direct ÷ reference.*4 stream", l):
+        print(re.sub(r"\s{2,}", " ", l))
+# The direct variant's refits come first (3 warm-ups, then the 10 timed); the staged ones follow.
+lines = [l for l in text if "receiver's timeline" in l][3:13]
+keys = ["first_issued_ms", "copies_on_gpu_ms", "completed_ms", "confirmed_ms"]
+vals = {k: [float(m.group(1)) for l in lines for m in [re.search(k + r"=([0-9.]+)", l)] if m] for k in keys}
+print("receiver's timeline, medians of", len(lines), "refits:", " ".join(f"{k} {statistics.median(v):.3f}" for k, v in vals.items() if v))
+PY
+  }
+  mps_dir=$(mktemp -d)
+  for i in 1 2; do
+    for mps in off on; do
+      if [ $mps = on ]; then
+        export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d || { echo "no MPS daemon here"; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; break; }
+      fi
+      step "colocated on one GPU, run $i, MPS $mps: the bench with its receiver timeline, then the loop"
+      RLPLANE_LOG="warn,rlplane_refit::transport::cuda_ipc=debug" timeout 150 "$bin" bench refit --transport cuda-ipc \
+        --colocated --receivers 1 $llama > "$mps_dir/bench.txt" 2>&1
+      timeline "$mps_dir/bench.txt"
+      timeout 120 "$bin" local manifests/rljob-gpu-colocated-1.yaml 2>&1 | grep -E "^refit"
+      if [ $mps = on ]; then
+        echo quit | nvidia-cuda-mps-control
+        sleep 1
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      fi
+    done
+  done
 fi
