@@ -105,7 +105,8 @@ struct Trace {
     last_issued: Option<Instant>,
     /// When the last bucket's copies were seen complete.
     completed: Option<Instant>,
-    /// Recorded just before the first copy, on its stream.
+    /// Recorded before the first bucket's copies, on the first stream (idle until then, so it
+    /// completes as the copies start, whichever stream or kernel takes the first).
     gpu_start: Option<CudaEvent>,
     /// Recorded after the latest bucket's copies, on every stream.
     gpu_ends: Vec<CudaEvent>,
@@ -124,7 +125,7 @@ impl Trace {
         })
     }
 
-    /// Marks the GPU's start on `stream`, before the refit's first copy goes there.
+    /// Marks the GPU's start on `stream` (idle), before the refit's first copy is issued.
     fn first_copy(&mut self, copier: &Gpu, stream: &CudaStream) -> Result<(), GpuError> {
         if self.gpu_start.is_none() {
             self.gpu_start = Some(record(copier, stream, true)?);
@@ -459,6 +460,9 @@ impl IpcTransport {
                 });
             }
             self.copier.bind().map_err(|e| gpu_err(&self.name, e))?;
+            if let Some(t) = self.recv.as_mut().expect("receiver").trace.as_mut() {
+                t.first_copy(&self.copier, &self.streams[0]).map_err(|e| gpu_err(&self.name, e))?;
+            }
             let mut batch = Vec::with_capacity(if self.batch_copies { dst.len() } else { 0 });
             for (&(key, offset, len), span) in src.iter().zip(&dst) {
                 if len != span.len {
@@ -480,9 +484,6 @@ impl IpcTransport {
                 // The streams in turn: copies overlap on the copy engines.
                 let stream = &self.streams[st.next_stream % self.streams.len()];
                 st.next_stream += 1;
-                if let Some(t) = st.trace.as_mut() {
-                    t.first_copy(&self.copier, stream).map_err(|e| gpu_err(&self.name, e))?;
-                }
                 // SAFETY: the source is the sender's lent memory, untouched until we confirm; the
                 // destination piece stays valid until our ticket completes (engine contract).
                 unsafe { copy_async(span.addr, map + offset, len, stream) }.map_err(|e| gpu_err("a peer copy", e))?;
