@@ -282,6 +282,13 @@ impl Gpu {
         self.ctx.new_event(Some(flags)).map_err(|e| GpuError::driver("creating an event", e))
     }
 
+    /// A new event (see [`Gpu::event`]) recorded on `stream` now.
+    pub fn record_event(&self, stream: &CudaStream, timing: bool) -> Result<CudaEvent, GpuError> {
+        let e = self.event(timing)?;
+        e.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        Ok(e)
+    }
+
     /// Enqueues `copies` on `stream` between two timing events, returned as (start, end), so
     /// the caller can wait for them and read how long the copy engines were busy.
     ///
@@ -293,14 +300,12 @@ impl Gpu {
         stream: &CudaStream,
     ) -> Result<(CudaEvent, CudaEvent), GpuError> {
         self.bind()?;
-        let start = self.event(true)?;
-        start.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        let start = self.record_event(stream, true)?;
         for c in copies {
             // SAFETY: forwarded to the caller.
             unsafe { copy2d_async(c.dst.addr, c.dst_pitch, c.src.addr, c.src_pitch, c.width, c.rows, stream) }?;
         }
-        let end = self.event(true)?;
-        end.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        let end = self.record_event(stream, true)?;
         Ok((start, end))
     }
 
@@ -487,8 +492,8 @@ impl Gpu {
         let k = self.kernels()?;
         let out = self.alloc(8)?;
         out.memset(0, stream)?;
-        let (start, end) = (self.event(true)?, self.event(true)?);
-        start.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
+        let end = self.event(true)?;
+        let start = self.record_event(stream, true)?;
         let (mut b, mut l, mut o) = (base, len, out.ptr());
         let mut params: Vec<*mut c_void> =
             [&mut b, &mut l, &mut o].into_iter().map(|a| a as *mut u64 as *mut c_void).collect();

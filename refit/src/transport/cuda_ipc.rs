@@ -128,7 +128,7 @@ impl Trace {
     /// Marks the GPU's start on `stream` (idle), before the refit's first copy is issued.
     fn first_copy(&mut self, copier: &Gpu, stream: &CudaStream) -> Result<(), GpuError> {
         if self.gpu_start.is_none() {
-            self.gpu_start = Some(record(copier, stream, true)?);
+            self.gpu_start = Some(copier.record_event(stream, true)?);
             self.first_issued = Some(Instant::now());
         }
         Ok(())
@@ -136,7 +136,7 @@ impl Trace {
 
     /// Marks the end of the latest bucket's copies on every stream.
     fn bucket_issued(&mut self, copier: &Gpu, streams: &[Arc<CudaStream>]) -> Result<(), GpuError> {
-        self.gpu_ends = streams.iter().map(|s| record(copier, s, true)).collect::<Result<_, _>>()?;
+        self.gpu_ends = streams.iter().map(|s| copier.record_event(s, true)).collect::<Result<_, _>>()?;
         self.last_issued = Some(Instant::now());
         Ok(())
     }
@@ -157,13 +157,6 @@ impl Trace {
             "cuda ipc receiver's timeline (from the start message)"
         );
     }
-}
-
-/// An event recorded on `stream` now (with timing, or only for completion).
-fn record(gpu: &Gpu, stream: &CudaStream, timing: bool) -> Result<CudaEvent, GpuError> {
-    let e = gpu.event(timing)?;
-    e.record(stream).map_err(|e| GpuError::driver("recording an event", e))?;
-    Ok(e)
 }
 
 /// One member's side of a sender's CUDA IPC group.
@@ -490,7 +483,7 @@ impl IpcTransport {
             }
             // SAFETY: as for the single copies above.
             unsafe { self.copier.copy_spans(&batch, &self.streams[0]) }.map_err(|e| gpu_err("a bucket's copies", e))?;
-            let events = self.streams.iter().map(|s| record(&self.copier, s, false)).collect::<Result<Vec<_>, _>>();
+            let events = self.streams.iter().map(|s| self.copier.record_event(s, false)).collect::<Result<Vec<_>, _>>();
             let st = self.recv.as_mut().expect("receiver");
             st.issued.insert(k, events.map_err(|e| gpu_err(&self.name, e))?);
             if let Some(t) = st.trace.as_mut() {

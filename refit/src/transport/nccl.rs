@@ -25,9 +25,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
 use super::{Piece, Transport, TransportError, coalesce, gpu_err};
+use crate::gpu::Gpu;
 use crate::gpu::nccl::{Comm, UniqueId, group_end, group_start};
 use crate::gpu::tensors::DeviceStaging;
-use crate::gpu::{Gpu, GpuError};
 use crate::memory::{Copy2d, MemorySpace};
 use crate::plan::PlanIdentity;
 use rlplane_wire::net::{self, Hello, JobAuth};
@@ -172,10 +172,6 @@ impl NcclTransport {
         None
     }
 
-    fn event(&self) -> Result<CudaEvent, TransportError> {
-        self.gpu.event(false).map_err(|e| gpu_err(&self.name, e))
-    }
-
     fn fail(&mut self, what: String) -> TransportError {
         self.abort(&what);
         TransportError::Io { peer: self.name.clone(), what, detail: "communicator aborted".into() }
@@ -240,8 +236,7 @@ impl Transport for NcclTransport {
         if let Err(e) = self.comm.wait_ready(dl, "launching broadcasts") {
             return Err(self.fail(e.to_string()));
         }
-        let ev = Arc::new(self.event()?);
-        ev.record(&self.nccl_stream).map_err(|e| gpu_err("recording an event", GpuError::driver("", e)))?;
+        let ev = Arc::new(self.gpu.record_event(&self.nccl_stream, false).map_err(|e| gpu_err(&self.name, e))?);
         Ok(NcclTicket { end: ev, start: None })
     }
 
